@@ -1,0 +1,190 @@
+"""Per-token log-probs (and entropy) of the sampled tokens from vocabulary-sharded logits.
+
+Shapes: T tokens (all leading dims flattened), V vocab shard (this rank's columns), c tokens in a chunk.
+
+Rank r of `tp_group` holds global vocab ids [r*V, (r+1)*V) (Megatron's ColumnParallelLinear layout).
+Global ids >= `vocab_size` are padding (Megatron pads the vocab to a multiple of 128*TP) and take no
+part in the softmax. Logits are divided by the sampling temperature first, as SGLang's sampler does,
+so train and rollout log-probs describe the same distribution (../../shared/GSPO.md, "Where old_logp
+comes from").
+
+Memory: the forward and the backward walk over the tokens in chunks, each with one float32 working
+copy of `c x V`; only per-token statistics (log-sum-exp, entropy) are saved, the logits themselves are
+saved anyway by whoever produced them. Collectives: two all-reduces over `tp_group` per call (a max,
+then one stacked sum), whatever the chunking; the backward needs none.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Default chunk: this many bytes of float32 working copy. On CPU a chunk that stays in cache is
+# fastest and, being small, costs no page faults; on GPU larger is fine but this is already enough
+# to saturate the device for Qwen3 vocabularies (~100 tokens x 151936 / TP).
+_DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def vocab_parallel_logprobs(logits, targets, *, tp_group=None, temperature=1.0, vocab_size=None,
+                            chunk_size=None, with_entropy=False):
+    """log pi(target | .) per token, float32, from this rank's vocabulary shard of the logits.
+
+    logits: [..., V] any float dtype, this rank's contiguous vocabulary shard.
+    targets: [...] integer global vocab ids. An id outside [0, vocab_size) (e.g. an ignore index on
+        a masked position) yields a finite, meaningless value and no gradient through its one-hot
+        term: mask such positions in the loss.
+    tp_group: the tensor-parallel group the vocab is sharded over; None means unsharded.
+    temperature: the logits are divided by it before the softmax.
+    vocab_size: the true vocabulary size; ids >= vocab_size are padding. None: no padding.
+    chunk_size: tokens per chunk; None picks ~16 MB of float32 per chunk; 0 means one chunk.
+    with_entropy: also return the entropy of the whole (tempered, unpadded) distribution per token.
+
+    Returns logprobs [...] float32, or (logprobs, entropy) with with_entropy. Differentiable with
+    respect to `logits` (through both outputs at once).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    V = logits.shape[-1]
+    if vocab_size is None:
+        vocab_size = V * tp_size
+    if not 0 < vocab_size <= V * tp_size:
+        raise ValueError(f"vocab_size {vocab_size} not in (0, {V * tp_size}] (= {tp_size} shards of {V})")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != logits' leading shape {tuple(logits.shape[:-1])}")
+
+    lead_shape = targets.shape
+    # Padding ids are a suffix of the vocabulary, so on each shard they are a suffix of columns.
+    vocab_start = tp_rank * V
+    n_valid = min(max(vocab_size - vocab_start, 0), V)
+    T = targets.numel()
+    chunk = _chunk_tokens(chunk_size, T, n_valid)
+
+    logprobs_T, entropy_T = _VocabParallelLogprobs.apply(
+        logits.reshape(T, V), targets.reshape(T), tp_group if tp_size > 1 else None,
+        float(temperature), vocab_start, n_valid, chunk, with_entropy)
+    if with_entropy:
+        return logprobs_T.view(lead_shape), entropy_T.view(lead_shape)
+    return logprobs_T.view(lead_shape)
+
+
+def _chunk_tokens(chunk_size, T, n_valid):
+    if chunk_size is None:
+        return max(1, _DEFAULT_CHUNK_BYTES // (4 * max(n_valid, 1)))
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size must be >= 0, got {chunk_size}")
+    return chunk_size if 0 < chunk_size < T else max(T, 1)
+
+
+def _local_target_index(targets_T, vocab_start, n_valid):
+    """Column of each target in this shard (clamped to a valid column) and whether it is here."""
+    idx_T = targets_T.long() - vocab_start
+    here_T = (idx_T >= 0) & (idx_T < n_valid)
+    return idx_T.clamp(0, max(n_valid - 1, 0)), here_T
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, logits_TV, targets_T, tp_group, temperature, vocab_start, n_valid, chunk,
+                with_entropy):
+        T = targets_T.numel()
+        dev = logits_TV.device
+        idx_T, here_T = _local_target_index(targets_T, vocab_start, n_valid)
+
+        # Pass over the shard once, with statistics relative to the *local* max m_T (online
+        # softmax): s1 = sum exp(x - m), s2 = sum exp(x - m) (x - m). Rescaling them to the global max
+        # afterwards needs only one max and one sum all-reduce for all chunks together.
+        max_T = torch.full((T,), float("-inf"), device=dev)
+        sums_3T = torch.zeros(3, T, device=dev)  # rows: s1, s2 (entropy only), target logit
+        if n_valid > 0:
+            sums_3T[2] = torch.where(here_T, logits_TV.gather(1, idx_T[:, None]).squeeze(1).float()
+                                     / temperature, 0.0)
+            # Working buffers are allocated once and reused by every chunk: fresh large allocations
+            # cost page faults on CPU and allocator churn on GPU.
+            x_buf = torch.empty(min(chunk, T), n_valid, device=dev)
+            e_buf = torch.empty_like(x_buf) if with_entropy else None
+            for lo in range(0, T, chunk):
+                hi = min(lo + chunk, T)
+                x_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature, out=x_buf[:hi - lo])
+                max_T[lo:hi] = m_c = x_cV.amax(dim=1)
+                x_cV.sub_(m_c[:, None])
+                if with_entropy:
+                    e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
+                    sums_3T[0, lo:hi] = e_cV.sum(dim=1)
+                    # Batched dot product: no c x V temporary for e * x.
+                    sums_3T[1, lo:hi] = torch.bmm(e_cV[:, None, :], x_cV[:, :, None]).view(-1)
+                else:
+                    sums_3T[0, lo:hi] = x_cV.exp_().sum(dim=1)
+            del x_buf, e_buf
+
+        gmax_T = max_T.clone()
+        if tp_group is not None:
+            dist.all_reduce(gmax_T, op=dist.ReduceOp.MAX, group=tp_group)
+        if n_valid == 0:
+            max_T = gmax_T  # all-padding shard: its sums are 0, any finite shift keeps them 0
+        # exp(x - M) = exp(x - m) * exp(m - M), and (x - M) = (x - m) + (m - M).
+        shift_T = max_T - gmax_T
+        scale_T = torch.exp(shift_T)
+        sums_3T[1] = scale_T * (sums_3T[1] + sums_3T[0] * shift_T)
+        sums_3T[0] *= scale_T
+        if tp_group is not None:
+            dist.all_reduce(sums_3T, group=tp_group)
+        sumexp_T, shifted_dot_T, target_T = sums_3T
+        log_z_T = torch.log(sumexp_T)
+        lse_T = gmax_T + log_z_T
+        logprobs_T = target_T - lse_T
+        # H = lse - E_p[x] = log Z - E_p[x - M]
+        entropy_T = log_z_T - shifted_dot_T / sumexp_T if with_entropy else None
+
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits_TV, idx_T, here_T, lse_T, entropy_T)
+        ctx.cfg = (temperature, n_valid, chunk)
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_T, grad_entropy_T):
+        logits_TV, idx_T, here_T, lse_T, entropy_T = ctx.saved_tensors
+        temperature, n_valid, chunk = ctx.cfg
+        T = lse_T.numel()
+        if n_valid == 0 or (grad_logprobs_T is None and grad_entropy_T is None):
+            return torch.zeros_like(logits_TV), None, None, None, None, None, None, None
+        grad_TV = torch.empty_like(logits_TV)
+        grad_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
+        inv_t = 1.0 / temperature
+        # Work in place in the gradient itself when it is float32, else in one reused fp32 buffer.
+        fp32_grad = grad_TV.dtype == torch.float32
+        c = min(chunk, T)
+        work_buf = None if fp32_grad else torch.empty(c, n_valid, device=grad_TV.device)
+        p_buf = None if grad_entropy_T is None else torch.empty(c, n_valid, device=grad_TV.device)
+        for lo in range(0, T, chunk):
+            hi = min(lo + chunk, T)
+            out_cV = grad_TV[lo:hi, :n_valid]
+            # Softmax of the local shard against the saved global lse: purely local, no collective.
+            logp_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature,
+                                out=out_cV if fp32_grad else work_buf[:hi - lo])
+            logp_cV.sub_(lse_T[lo:hi, None])
+            # d logprob / dx = onehot(target) - p;   d H / dx = -p (log p + H)   (x = logits / temp).
+            # Together: -p * (g_lp + g_H (log p + H)) + g_lp onehot; then d x / d logits = 1 / temp.
+            if grad_entropy_T is None:
+                coef_cV = logp_cV.exp_().mul_(-grad_logprobs_T[lo:hi, None] * inv_t)
+            else:
+                p_cV = torch.exp(logp_cV, out=p_buf[:hi - lo])
+                coef_cV = logp_cV.add_(entropy_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
+                if grad_logprobs_T is not None:
+                    coef_cV.add_(grad_logprobs_T[lo:hi, None])
+                coef_cV.mul_(p_cV).mul_(-inv_t)
+            if grad_logprobs_T is not None:
+                onehot_c = torch.where(here_T[lo:hi], grad_logprobs_T[lo:hi] * inv_t, 0.0)
+                coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_c[:, None])
+            if not fp32_grad:
+                out_cV.copy_(coef_cV)
+        return grad_TV, None, None, None, None, None, None, None
+
+
+def _tempered(src_cV, temperature, out):
+    """out <- float32(src) / temperature; returns out."""
+    out.copy_(src_cV)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out

@@ -1,0 +1,181 @@
+"""Building Megatron-Core's GPTModel for Qwen3 (dense) and Qwen3-MoE.
+
+The architecture is described once (`Qwen3Shape`); `transformer_config` maps it onto Megatron's
+TransformerConfig for a parallel layout, and `build_model` returns the model chunks for this rank
+(one per virtual pipeline stage), with the local layer spec on CPU and Transformer Engine on GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gspo.parallel.groups import Layout
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The hyper-parameters of a Qwen3 / Qwen3-MoE decoder (Hugging Face config.json names in docs)."""
+
+    vocab_size: int
+    """True vocabulary size (`vocab_size`); Megatron pads it, the loss masks the padding."""
+    hidden_size: int
+    """`hidden_size`."""
+    num_layers: int
+    """`num_hidden_layers`."""
+    num_attention_heads: int
+    """`num_attention_heads`."""
+    num_query_groups: int
+    """`num_key_value_heads` (GQA)."""
+    head_dim: int
+    """`head_dim` (Qwen3-MoE: 128, not hidden_size / heads)."""
+    ffn_hidden_size: int
+    """`intermediate_size`: the dense MLP width."""
+    num_experts: int | None = None
+    """`num_experts` (None: dense Qwen3)."""
+    moe_ffn_hidden_size: int | None = None
+    """`moe_intermediate_size`: one expert's MLP width."""
+    moe_router_topk: int = 8
+    """`num_experts_per_tok`."""
+    norm_topk_prob: bool = True
+    """`norm_topk_prob`: renormalise the top-k probabilities (Megatron: softmax after top-k)."""
+    rotary_base: float = 1_000_000.0
+    """`rope_theta`."""
+    norm_eps: float = 1e-6
+    """`rms_norm_eps`."""
+    tie_word_embeddings: bool = False
+    """`tie_word_embeddings`: output layer shares the embedding weight."""
+    max_position_embeddings: int = 40960
+    """`max_position_embeddings`."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+
+# A Qwen3-MoE-like model small enough for CPU tests: 4 experts top-2, GQA, qk-norm, head_dim != h/heads.
+TINY_MOE = Qwen3Shape(vocab_size=500, hidden_size=64, num_layers=2, num_attention_heads=4,
+                      num_query_groups=2, head_dim=24, ffn_hidden_size=128, num_experts=4,
+                      moe_ffn_hidden_size=48, moe_router_topk=2, rotary_base=10000.0,
+                      max_position_embeddings=512)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: the vocab rounded up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(shape: Qwen3Shape, layout: Layout, *, params_dtype=torch.float32,
+                       aux_loss_coeff: float = 1e-3, aux_loss_type: str = "seq_aux_loss",
+                       **overrides):
+    """Megatron TransformerConfig for `shape` under `layout`; `overrides` win over derived values."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = {}
+    if shape.is_moe:
+        moe = dict(
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_topk=shape.moe_router_topk,
+            # Qwen3-MoE: softmax over all experts, then top-k renormalised (norm_topk_prob) equals
+            # Megatron's top-k-then-softmax; without renormalisation softmax comes first.
+            moe_router_pre_softmax=not shape.norm_topk_prob,
+            moe_router_load_balancing_type=aux_loss_type,
+            moe_aux_loss_coeff=aux_loss_coeff,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=torch.cuda.is_available(),
+            moe_router_dtype="fp32",
+        )
+    fields = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        # Megatron requires sequence parallelism for MoE with TP > 1 (moe_layer.py:379).
+        sequence_parallel=layout.tp > 1 and shape.is_moe,
+        calculate_per_token_loss=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        **moe,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(shape: Qwen3Shape):
+    """Transformer Engine spec on GPUs, the local spec with CP-capable attention on CPU."""
+    if torch.cuda.is_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=shape.num_experts, moe_grouped_gemm=shape.is_moe, qk_layernorm=True)
+    from megatron_gspo.model.spec import local_layer_spec
+
+    return local_layer_spec(num_experts=shape.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
+
+
+def build_model(shape: Qwen3Shape, config, *, wrap_ddp: bool = True, ddp_overrides: dict | None = None):
+    """This rank's model chunks (a list: one per virtual pipeline stage), DDP-wrapped if asked."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(shape),
+            vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rotary_base),
+            vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
+        )
+        chunks.append(model)
+    if not wrap_ddp:
+        return chunks
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+        **(ddp_overrides or {}))
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=i > 0)
+             for i, chunk in enumerate(chunks)]
+    # The schedules call these hooks (as Megatron-LM's training.py sets them): without
+    # finalize_model_grads no gradient is all-reduced over DP, nor are sequence-parallel norm grads
+    # over TP, nor tied embeddings over PP.
+    from megatron.core.distributed import finalize_model_grads
+
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return model
+

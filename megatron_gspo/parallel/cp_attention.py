@@ -1,0 +1,234 @@
+"""Core attention for Megatron-Core's *local* layer spec that also runs under context parallelism.
+
+Stock Megatron-Core allows context parallelism only with Transformer Engine attention
+(`transformer/dot_product_attention.py:56` asserts context_parallel_size == 1), and TE does not
+exist on CPU. This module is a drop-in replacement for `DotProductAttention` (same constructor and
+forward signature, same result at cp=1) that, at cp > 1, all-gathers keys and values over the CP
+group and masks causally by *global* position, so CPU tests can exercise the CP layout.
+
+It is the "all_gather" CP scheme (every rank holds all keys/values of the sequence for one layer
+at a time): simple and exact, meant for CPU tests and small runs, not for long sequences on GPU.
+
+Shapes: sq local query length, sk local key length, S full key length (sk * cp), b batch,
+np query heads and ng key/value groups on this TP rank, hn head dim.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+
+from megatron_gspo.parallel.context_parallel import cp_chunk_indices, cp_gathered_positions
+
+# Megatron's `attention_mask_func` fills masked scores with -10000 (not -inf); using the same
+# value keeps cp=1 bitwise equal to DotProductAttention, including fully masked rows.
+_MASKED_SCORE = -10000.0
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 (the sequence) over `group`, concatenated in rank order.
+
+    Backward: every rank's queries attend to every rank's keys, so the gradient of this rank's
+    keys is the sum of the gradients computed on all ranks, restricted to this rank's rows
+    (reduce-scatter). Gloo has no reduce_scatter, hence all_reduce and slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x_sk: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x_sk) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x_sk.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_S: Tensor):
+        grad_S = grad_S.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad_S, group=ctx.group)
+        sk = grad_S.size(0) // dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad_S[rank * sk:(rank + 1) * sk], None
+
+
+class ContextParallelDotProductAttention(MegatronModule):
+    """`DotProductAttention` with context-parallel support (all-gather K/V, global causal mask).
+
+    Constructor and forward match `megatron.core.transformer.dot_product_attention.
+    DotProductAttention` (megatron-core 0.16.1) so it can stand in `SelfAttentionSubmodules.
+    core_attention`. `cp_comm_type` is accepted and ignored: this module always all-gathers.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        # SelfAttention passes its own collection (with tp and cp); standalone use falls back to
+        # Megatron's global groups, as DotProductAttention does.
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        if not hasattr(pg_collection, "tp"):
+            raise ValueError("pg_collection must have a tp process group")
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        # A tp-only collection (as DotProductAttention accepts) means no context parallelism.
+        self.cp_group = pg_collection.cp if hasattr(pg_collection, "cp") else None
+        self.cp_size = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        if self.cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"CP group has {self.cp_size} ranks but config.context_parallel_size="
+                f"{config.context_parallel_size}"
+            )
+
+        tp_size = dist.get_world_size(self.tp_group)
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+
+        # Same arithmetic as DotProductAttention: with query-key layer scaling the matmul is scaled
+        # down by layer_number and the fp32 softmax input scaled back up (avoids fp16 overflow).
+        self.softmax_scale = (
+            1.0 / math.sqrt(self.hidden_size_per_attention_head)
+            if softmax_scale is None
+            else softmax_scale
+        )
+        self.layer_scaling_coeff = None
+        if config.apply_query_key_layer_scaling:
+            self.layer_scaling_coeff = float(self.layer_number)
+            self.softmax_scale /= self.layer_scaling_coeff
+
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise NotImplementedError("sliding-window attention is not supported by this module")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported")
+
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout > 0 and self.cp_size > 1:
+            # Each CP rank would draw its dropout mask from the same tracker state; refuse rather
+            # than silently correlate the masks of different query chunks.
+            raise ValueError(
+                f"attention dropout ({dropout}) is not supported with context parallelism; set "
+                "attention_dropout=0"
+            )
+        self.attention_dropout = torch.nn.Dropout(dropout)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn].
+
+        attention_mask (bool, True = masked), if given, is used as is, like DotProductAttention:
+        shape broadcastable to [b, np, sq, S] with keys in natural order. Under CP that is a full
+        [b, 1, S, S] mask with this rank's query rows selected (what Megatron-LM's
+        `get_batch_on_this_cp_rank` does to 'attention_mask'). Without a mask, causal mask types
+        mask by global position.
+        """
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "packed sequences (THD, packed_seq_params) need Transformer Engine attention"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+
+        sq, sk = query.size(0), key.size(0)
+        if self.cp_size > 1:
+            if sq != sk:
+                raise NotImplementedError("a KV cache (sq != sk) is not supported with CP")
+            key = _AllGatherSequence.apply(key, self.cp_group)
+            value = _AllGatherSequence.apply(value, self.cp_group)
+            # The gather is in rank order (r0's two chunks, r1's two chunks, ...); put the keys in
+            # natural order so key index == global position, for the mask and a caller's mask.
+            S = key.size(0)
+            natural = torch.argsort(cp_gathered_positions(S, self.cp_size)).to(key.device)
+            key = key.index_select(0, natural)
+            value = value.index_select(0, natural)
+            q_pos = cp_chunk_indices(S, self.cp_size, dist.get_rank(self.cp_group))
+        else:
+            S = sk
+            # With a KV cache the queries are the last sq positions (sq == sk without one).
+            q_pos = torch.arange(S - sq, S)
+
+        if attention_mask is None and mask_type in _CAUSAL_TYPES:
+            # [sq, S]: query at global position i sees keys at positions <= i.
+            k_pos = torch.arange(S)
+            attention_mask = (k_pos[None, :] > q_pos[:, None]).to(query.device)
+        if attention_mask is not None and (
+            attention_mask.size(-1) != S or attention_mask.size(-2) not in (1, sq)
+        ):
+            raise ValueError(
+                f"attention_mask must end in [sq={sq} or 1, S={S}] (keys in natural order), "
+                f"got {tuple(attention_mask.shape)}"
+            )
+
+        # GQA: each key/value group serves np/ng query heads; repeat to one per query head,
+        # in the same (interleaved) order as DotProductAttention.
+        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if heads_per_group > 1:
+            key = key.repeat_interleave(heads_per_group, dim=2)
+            value = value.repeat_interleave(heads_per_group, dim=2)
+
+        b, n_heads, hn = query.size(1), query.size(2), query.size(3)
+        q_Bqh = query.reshape(sq, b * n_heads, hn).transpose(0, 1)  # B = b*np
+        k_BSh = key.reshape(S, b * n_heads, hn).transpose(0, 1)
+        v_BSh = value.reshape(S, b * n_heads, hn).transpose(0, 1)
+
+        # baddbmm with beta=0 is the exact arithmetic DotProductAttention uses.
+        scores_BqS = torch.baddbmm(
+            q_Bqh.new_empty(b * n_heads, sq, S), q_Bqh, k_BSh.transpose(1, 2),
+            beta=0.0, alpha=self.softmax_scale,
+        )
+        # Softmax in at least float32 (bf16/fp16 scores are upcast, float64 stays float64).
+        softmax_dtype = torch.promote_types(scores_BqS.dtype, torch.float32)
+        scores_bnqS = scores_BqS.view(b, n_heads, sq, S).to(softmax_dtype)
+        if self.layer_scaling_coeff is not None:
+            scores_bnqS = scores_bnqS * self.layer_scaling_coeff
+        if attention_mask is not None:
+            scores_bnqS = scores_bnqS.masked_fill(attention_mask, _MASKED_SCORE)
+        probs_bnqS = torch.softmax(scores_bnqS, dim=-1).to(query.dtype)
+
+        if self.training and self.attention_dropout.p > 0:
+            # As DotProductAttention: without sequence parallelism every TP rank holds different
+            # heads, so draw the mask from the model-parallel RNG stream.
+            if self.config.sequence_parallel:
+                probs_bnqS = self.attention_dropout(probs_bnqS)
+            else:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs_bnqS = self.attention_dropout(probs_bnqS)
+
+        context_Bqh = torch.bmm(probs_bnqS.reshape(b * n_heads, sq, S), v_BSh)
+        context_qbnh = context_Bqh.view(b, n_heads, sq, hn).permute(2, 0, 1, 3).contiguous()
+        return context_qbnh.view(sq, b, self.hidden_size_per_partition)

@@ -1,0 +1,109 @@
+"""Forward steps for Megatron-Core's `get_forward_backward_func` schedules.
+
+Megatron's legacy loss contract (a 2-tuple `(loss, logs)`; pipeline_parallel/schedules.py:266) scales
+the returned loss by cp_size / num_microbatches and DDP then averages gradients over the dp x cp ranks,
+so the gradient is  sum over (dp, cp, micro-batch) of loss * cp / (num_microbatches * dp * cp).
+Returning loss = loss_sum * num_microbatches * dp / N_global therefore gives exactly
+d(sum loss_sum / N_global)/d(theta): the GSPO objective over the global batch of N_global sequences,
+whatever its split into data-parallel ranks, CP ranks, micro-batches and pipeline stages.
+We use this contract rather than `calculate_per_token_loss` because it leaves the MoE auxiliary loss
+with Megatron's standard scaling (a mean over micro-batches and DP ranks); in per-token mode Megatron
+rescales the aux loss by the local *token* count (transformer/moe/router.py:456), which assumes the
+denominator counts tokens, not sequences.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
+from megatron_gspo.loss.policy import Algorithm, policy_loss
+from megatron_gspo.parallel.collectives import group_rank, group_size
+from megatron_gspo.types import MicroBatch
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups the loss needs, passed explicitly to the math."""
+
+    tp: object
+    cp: object
+    dp_size: int
+    """Data-parallel size without CP (the `dp` of the contract above)."""
+
+    @staticmethod
+    def from_parallel_state() -> "Groups":
+        from megatron.core import parallel_state as ps
+
+        return Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
+                      dp_size=ps.get_data_parallel_world_size())
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    algorithm: Algorithm = "gspo"
+    """gspo | gspo_token | grpo."""
+    eps_low: float | None = None
+    """Lower clip range (None: the algorithm's default, GSPO 3e-4, GRPO 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range (None: GSPO 4e-4, GRPO 0.27)."""
+    temperature: float = 1.0
+    """Sampling temperature; the training logits are divided by it as the sampler's were."""
+    vocab_size: int | None = None
+    """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
+
+
+def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Groups) -> torch.Tensor:
+    return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=groups.tp,
+                                   temperature=settings.temperature, vocab_size=settings.vocab_size)
+
+
+def _run_model(model, batch: MicroBatch):
+    positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
+    return model(batch.tokens_BS, positions_BS, None)
+
+
+def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_sequences: int,
+                        num_microbatches: int):
+    """A forward step whose gradients are d(loss_sum / num_global_sequences)/d(theta) (see above).
+
+    The data iterator yields full-length MicroBatch objects; this step takes its CP rank's part.
+    The logs dict carries the unscaled `loss_sum`, `num_sequences` and the policy-loss metrics.
+    """
+    if num_global_sequences < 1:
+        raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
+    scale = num_microbatches * groups.dp_size / num_global_sequences
+
+    def loss_func(batch: MicroBatch, output_BSV):
+        logprobs_BS = _logprobs(output_BSV, batch, settings, groups)
+        rows, seq_len = logprobs_BS.shape
+        advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
+        loss_sum, num_sequences, metrics = policy_loss(
+            logprobs_BS.flatten(), batch.old_logprobs_BS.flatten(), advantages,
+            batch.loss_mask_BS.flatten(), torch.arange(rows + 1) * seq_len,
+            algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
+            cp_group=groups.cp)
+        logs = {"loss_sum": loss_sum.detach(), "num_sequences": num_sequences, "metrics": metrics}
+        return loss_sum * scale, logs
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator).for_cp_rank(group_size(groups.cp), group_rank(groups.cp))
+        return _run_model(model, batch), functools.partial(loss_func, batch)
+
+    return forward_step
+
+
+def logprobs_forward_step(settings: LossSettings, *, groups: Groups):
+    """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32)."""
+
+    def loss_func(batch: MicroBatch, output_BSV):
+        logprobs_BS = _logprobs(output_BSV, batch, settings, groups)
+        return output_BSV.new_zeros(()), {"logprobs": logprobs_BS.detach()}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator).for_cp_rank(group_size(groups.cp), group_rank(groups.cp))
+        return _run_model(model, batch), functools.partial(loss_func, batch)
+
+    return forward_step

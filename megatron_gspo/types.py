@@ -1,0 +1,45 @@
+"""Batches as the trainer hands them to Megatron's schedules.
+
+Shapes: B sequences (one per row, right-padded), S positions. Position s of a row holds input token
+tokens[s] and the target labels[s] = tokens[s+1] that the logits at s predict; loss_mask[s] = 1 when
+that target is a trained response token. Everything that varies along S is split the same way under
+context parallelism, so the shift never crosses a CP boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from megatron_gspo.parallel.context_parallel import split_for_cp
+
+
+@dataclass
+class MicroBatch:
+    tokens_BS: torch.Tensor
+    """Input token ids (long)."""
+    labels_BS: torch.Tensor
+    """Target ids: tokens shifted left by one (long); anything where loss_mask is 0."""
+    loss_mask_BS: torch.Tensor
+    """1 where labels_BS is a trained response token (prompt, padding, tool output: 0)."""
+    old_logprobs_BS: torch.Tensor
+    """Behaviour-policy log-probs of labels_BS (float32); anything where loss_mask is 0."""
+    advantages: torch.Tensor
+    """[B] one advantage per sequence, or [B, S] per token (gspo_token / grpo)."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens_BS.shape[0]
+
+    def for_cp_rank(self, cp_size: int, cp_rank: int) -> "MicroBatch":
+        """This CP rank's part of every sequence (Megatron's load-balanced 2*cp-chunk layout)."""
+        if cp_size == 1:
+            return self
+        parts = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            parts[f.name] = split_for_cp(value, cp_size, cp_rank, seq_dim=1) if value.dim() == 2 else value
+        return MicroBatch(**parts)
+
+    def rows(self, start: int, stop: int) -> "MicroBatch":
+        return MicroBatch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})

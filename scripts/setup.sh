@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment at .venv/ for CPU development and CI.
+# Idempotent: a stamp file records what was installed, so a second run costs about a second.
+# GPU clusters do not use this script: see README.md ("On GPU clusters").
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv=$root/.venv
+python=${PYTHON:-python3}
+
+# Pinned CPU stack. torch 2.13.0 is the CPU wheel on local disk; a looser pin can pull a multi-GB
+# CUDA build. megatron-core 0.16.1 is the newest release for Python 3.11 (0.17 needs 3.12).
+# psutil is an undeclared megatron-core dependency (dist-checkpoint saves hang without it).
+requirements=(
+  "torch==2.13.0"
+  "megatron-core==0.16.1"
+  "psutil" "tqdm" "pyyaml" "numpy" "pytest>=8"
+)
+stamp_text="$(printf '%s\n' "${requirements[@]}"; cat pyproject.toml)"
+stamp=$venv/.megatron_gspo_setup
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python" -c "import importlib.metadata as m; m.version('megatron-core'); m.version('torch'); import megatron_gspo" 2>/dev/null; then
+  exit 0
+fi
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q "${requirements[@]}"
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+printf '%s' "$stamp_text" > "$stamp"
+echo "setup: .venv ready ($("$venv/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

@@ -1,0 +1,41 @@
+"""The master test of the loss plumbing: one checkpoint, many parallel layouts, the same GSPO step.
+
+A tiny Qwen3-MoE-like GPTModel (4 experts top-2, GQA, qk-norm, sequence-level aux loss) is saved once
+at TP1; every layout loads it, recomputes old log-probs, and runs one GSPO step with SGD. Per-token
+log-probs must agree within 1e-5, and the loss, grad norm and parameter update must match the TP1
+reference (tests/distributed/workers/layouts.py has the checks).
+"""
+import pytest
+
+from megatron_gspo.parallel.launch import torchrun
+
+WORKER = "tests/distributed/workers/layouts.py"
+
+# name: (processes, tp, pp, cp, ep, micro-batches per DP rank); the reference is TP1, 1 micro-batch.
+LAYOUTS = {
+    "tp2": (2, 2, 1, 1, 1, 1),
+    "ep2": (2, 1, 1, 1, 2, 1),
+    "pp2": (2, 1, 2, 1, 1, 2),
+    "cp2": (2, 1, 1, 2, 1, 1),
+    "dp2": (2, 1, 1, 1, 1, 1),
+    "tp2xep2": (4, 2, 1, 1, 2, 1),
+    "tp2xpp2": (4, 2, 2, 1, 1, 4),
+    "dp2xcp2": (4, 1, 1, 2, 1, 2),
+    "microbatches4": (1, 1, 1, 1, 1, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("layouts")
+    out = torchrun(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 1, timeout=300)
+    assert "OK reference" in out
+    return workdir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_matches_tp1_reference(reference, name):
+    nproc, *layout = LAYOUTS[name]
+    out = torchrun(WORKER, nproc, reference, name, *layout, timeout=300)
+    assert out.count(f"OK {name} rank") == nproc, out[-3000:]

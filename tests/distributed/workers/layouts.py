@@ -1,0 +1,152 @@
+"""One launch per parallel layout: per-token log-probs and one full GSPO step, compared with TP1.
+
+usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME TP PP CP EP MICROBATCHES [ALGORITHM]
+
+NAME "reference" (one process, TP1): builds the tiny Qwen3-MoE from a seed, saves WORKDIR/init,
+recomputes old log-probs (forward only), runs one GSPO step (loss, backward, SGD step) and saves
+WORKDIR/reference.pt and the updated weights in WORKDIR/after.
+Any other NAME loads WORKDIR/init into its layout, does the same, and checks against the reference:
+per-token log-probs within 1e-5, the same loss and grad norm, and the same parameter update
+(the reference's updated checkpoint is loaded resharded into this layout and compared shard by shard).
+SGD without momentum makes the update proportional to the gradient, so a mis-scaled gradient shows.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
+from megatron_gspo.parallel.context_parallel import gather_from_cp
+from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.training.forward_step import (Groups, LossSettings, logprobs_forward_step,
+                                                 policy_forward_step)
+from megatron_gspo.types import MicroBatch
+
+B, S, G = 8, 32, 4
+# Per-sequence shift of the old log-probs: log s_i = -shift_i. Inside the band (|.| <= 1e-4) or well
+# outside it (>= 1e-3), never near an edge, so layouts agree on every clip decision.
+OLD_SHIFT = torch.tensor([0.0, 1e-4, -1e-4, 2e-3, -2e-3, 5e-5, -1e-3, 1e-3])
+
+
+def global_batch(vocab: int):
+    """The same 8 sequences on every rank: prompt, response of varied length, right padding."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab, (B, S), generator=g)
+    loss_mask = torch.zeros(B, S)
+    for i in range(B):
+        prompt = int(torch.randint(3, 9, (), generator=g))
+        response = int(torch.randint(1, S - prompt, (), generator=g))
+        tokens[i, prompt + response:] = 0
+        loss_mask[i, prompt - 1: prompt + response - 1] = 1  # logits at s predict token s+1
+    labels = torch.roll(tokens, -1, dims=1)
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+    advantages = group_advantages(rewards, G).advantages_R
+    return tokens, labels, loss_mask, advantages
+
+
+def main() -> None:
+    workdir, name = Path(sys.argv[1]), sys.argv[2]
+    tp, pp, cp, ep, num_mb = map(int, sys.argv[3:8])
+    algorithm = sys.argv[8] if len(sys.argv) > 8 else "gspo"
+    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    init_megatron(layout, seed=1234)
+    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = transformer_config(TINY_MOE, layout)
+    model = build_model(TINY_MOE, config)
+    (module,) = [chunk.module for chunk in model]
+    if name == "reference":
+        (workdir / "init").mkdir()
+        dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "init"))
+    else:
+        module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+    init_params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
+
+    tokens, labels, loss_mask, advantages = global_batch(TINY_MOE.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = B // dp
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    mb_rows = rows // num_mb
+    groups = Groups.from_parallel_state()
+    settings = LossSettings(algorithm=algorithm, vocab_size=TINY_MOE.vocab_size)
+    last_stage = ps.is_pipeline_last_stage()
+
+    def micro_batches(old_logprobs):
+        batch = MicroBatch(tokens[mine], labels[mine], loss_mask[mine], old_logprobs, advantages[mine])
+        return [batch.rows(i * mb_rows, (i + 1) * mb_rows) for i in range(num_mb)]
+
+    schedule = get_forward_backward_func()
+    run = dict(model=model, num_microbatches=num_mb, seq_length=S // cp, micro_batch_size=mb_rows)
+
+    # 1. Old log-probs, recomputed forward-only (mini-batch 1 is on-policy).
+    outputs = schedule(forward_step_func=logprobs_forward_step(settings, groups=groups),
+                       data_iterator=iter(micro_batches(torch.zeros(rows, S))), forward_only=True, **run)
+    logprobs = (torch.cat([gather_from_cp(o["logprobs"], groups.cp) for o in outputs]) if last_stage
+                else torch.zeros(rows, S))
+
+    # 2. One GSPO step on old log-probs shifted per sequence (some sequences inside the band, some clipped).
+    old_logprobs = logprobs + OLD_SHIFT[mine, None]
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = schedule(forward_step_func=policy_forward_step(settings, groups=groups,
+                                                             num_global_sequences=B, num_microbatches=num_mb),
+                       data_iterator=iter(micro_batches(old_logprobs)), forward_only=False, **run)
+    _, grad_norm, _ = optimizer.step()
+    loss = torch.zeros((), dtype=torch.float64)
+    clipped = torch.zeros((), dtype=torch.float64)
+    if last_stage:
+        loss += sum(o["loss_sum"].double() for o in outputs)
+        clipped += sum(o["metrics"]["sequences_clipped"] for o in outputs)
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(loss, group=dp_cp)
+        dist.all_reduce(clipped, group=dp_cp)
+    loss /= B
+
+    if name == "reference":
+        assert 0 < clipped < B, f"the reference batch must clip some sequences, clipped {clipped}"
+        torch.save({"logprobs": logprobs, "loss": loss, "grad_norm": grad_norm, "clipped": clipped},
+                   workdir / "reference.pt")
+        (workdir / "after").mkdir()
+        dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "after"))
+        print(f"OK reference loss={loss.item():.8f} grad_norm={grad_norm:.6f} clipped={clipped.item()}")
+        return
+
+    ref = torch.load(workdir / "reference.pt")
+    where = f"[{name} rank {dist.get_rank()}]"
+    if last_stage:
+        err = (logprobs - ref["logprobs"][mine]).abs().max().item()
+        assert err <= 1e-5, f"{where} per-token log-probs differ by {err:.2e}"
+        assert torch.isclose(loss, ref["loss"], rtol=1e-5, atol=1e-8), f"{where} loss {loss} vs {ref['loss']}"
+        assert clipped == ref["clipped"], f"{where} clipped {clipped} vs {ref['clipped']}"
+    assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], \
+        f"{where} grad norm {grad_norm} vs {ref['grad_norm']}"
+
+    # A fresh config: the trained model's now holds schedule hooks bound to its DDP wrappers.
+    reference_after = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), wrap_ddp=False)[0]
+    reference_after.load_state_dict(
+        dist_checkpointing.load(reference_after.sharded_state_dict(), str(workdir / "after")))
+    ref_params = dict(reference_after.named_parameters())
+    worst = 0.0
+    for n, p in module.named_parameters():
+        update, ref_update = p.detach() - init_params[n], ref_params[n].detach() - init_params[n]
+        scale = ref_update.abs().max().item()
+        err = (update - ref_update).abs().max().item()
+        assert err <= 1e-4 * scale + 1e-7, f"{where} update of {n} differs by {err:.2e} (scale {scale:.2e})"
+        worst = max(worst, err / max(scale, 1e-12))
+    print(f"OK {name} rank {dist.get_rank()} logprobs/loss/grad-norm/update match "
+          f"(loss={loss.item():.8f}, grad_norm={grad_norm:.6f}, worst relative update error {worst:.1e})")
+
+
+if __name__ == "__main__":
+    main()
+    dist.barrier()
+    dist.destroy_process_group()  # without it gloo can abort at exit
