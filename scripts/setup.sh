@@ -15,6 +15,9 @@ requirements=(
   "torch==2.13.0"
   "megatron-core==0.16.1"
   "psutil" "tqdm" "pyyaml" "numpy" "pytest>=8"
+  # Hugging Face side of checkpoint conversion and the parity tool; the version SGLang 0.5.23 wants.
+  "transformers==5.19.0" "tokenizers==0.23.2" "safetensors"
+  "matplotlib"  # the reward / clip-fraction / length plot of a run
 )
 stamp_text="$(printf '%s\n' "${requirements[@]}"; cat pyproject.toml)"
 stamp=$venv/.megatron_gspo_setup

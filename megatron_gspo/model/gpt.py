@@ -163,9 +163,9 @@ def build_model(shape: Qwen3Shape, config, *, wrap_ddp: bool = True, ddp_overrid
         chunks.append(model)
     if not wrap_ddp:
         return chunks
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-        **(ddp_overrides or {}))
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False,
+        **(ddp_overrides or {})})
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                      disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]

@@ -1,0 +1,432 @@
+"""Every setting of a training run, as frozen dataclasses; loaded from YAML plus `key.sub=value` overrides.
+
+    config = load_config("examples/tiny_cpu.yaml", ["gspo.eps_low=2e-4", "num_steps=10"])
+
+Values are parsed by the field's type (`bool`: true/false, `X | None`: none/null, tuples: comma
+separated), checked once when the dataclass is built (a `ValueError` naming the field, e.g.
+"gspo.eps_low must be in [0, 1), got -1.0"), and unknown keys are rejected with the nearest valid name.
+Paths are not touched here: `megatron_gspo.training.preflight` checks them before work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+from megatron_gspo.loss.policy import DEFAULT_CLIP
+from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.parallel.groups import Layout
+
+
+def _check(ok: bool, name: str, requirement: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} {requirement}, got {value!r}")
+
+
+def _positive(section: str, obj, *names: str) -> None:
+    for n in names:
+        _check(getattr(obj, n) >= 1, f"{section}.{n}", "must be >= 1", getattr(obj, n))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_path: str | None = None
+    """Hugging Face model directory (config.json, tokenizer, safetensors): the model's shape and
+    initial weights, and what SGLang serves. Exactly one of hf_path and preset."""
+    preset: str | None = None
+    """A named shape from megatron_gspo.model.presets (tiny_dense, tiny_moe, qwen3_30b_a3b,
+    qwen3_235b_a22b), randomly initialised from `seed`: for tests, benchmarks and the megatron
+    rollout backend."""
+    init_checkpoint: str | None = None
+    """Megatron distributed checkpoint of the initial weights (tools/convert_hf_to_mcore.py output).
+    None: convert hf_path at start-up. Ignored when resuming from checkpoint.dir."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter and activation dtype. Log-probs and the loss are always float32."""
+    moe_aux_loss_coeff: float = 1e-3
+    """Weight of Megatron's sequence-level load-balancing loss (MoE models only)."""
+
+    def __post_init__(self):
+        _check((self.hf_path is None) != (self.preset is None), "model.hf_path",
+               "and model.preset: exactly one must be set", (self.hf_path, self.preset))
+        if self.preset is not None:
+            _check(self.preset in PRESETS, "model.preset", f"must be one of {sorted(PRESETS)}", self.preset)
+        _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", "must be >= 0", self.moe_aux_loss_coeff)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    cp: int = 1
+    """Context parallel size (Transformer Engine attention on GPUs; CPU attention in this package)."""
+    ep: int = 1
+    """Expert parallel size (MoE)."""
+    etp: int | None = None
+    """Expert tensor parallel size; None: Layout's default (tp when ep == 1, else 1)."""
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B), or None."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one micro-batch: rows x padded row length (padding costs compute, so it
+    counts). A sequence longer than the budget gets a micro-batch of its own."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+
+    def __post_init__(self):
+        _positive("parallel", self, "tp", "pp", "cp", "ep", "max_tokens_per_microbatch")
+        if self.etp is not None:
+            _positive("parallel", self, "etp")
+        if self.vpp is not None:
+            _check(self.vpp >= 2 and self.pp >= 2, "parallel.vpp", "needs vpp >= 2 and pp >= 2 (or None)", self.vpp)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+
+
+@dataclass(frozen=True)
+class GSPOConfig:
+    algorithm: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    """Policy loss: gspo (sequence ratio, GSPO eq. 5), gspo_token (eq. 13) or grpo (token ratio)."""
+    eps_low: float | None = None
+    """Lower clip range; None: the algorithm's default (GSPO 3e-4, GRPO 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range; None: the algorithm's default (GSPO 4e-4, GRPO 0.27)."""
+    temperature: float = 1.0
+    """Sampling temperature; the training logits are divided by it too, or train and rollout disagree."""
+    num_minibatches: int = 4
+    """Optimizer steps per rollout batch (the paper: 4). Mini-batch 1 is on-policy."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """Where pi_old's log-probs come from: recomputed by Megatron before the first mini-batch
+    (mini-batch 1 then has s_i == 1 exactly), or the rollout engine's own."""
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 32
+    """Prompts per rollout batch; the batch holds prompts_per_step * group_size responses."""
+    advantage_std: Literal["sample", "population", "none"] = "sample"
+    """Group advantage normaliser: sample std (/(G-1)), population std (/G), or none (r - mean)."""
+    advantage_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    dynamic_sampling: bool = False
+    """Drop zero-signal groups (all rewards equal) and sample more prompts to refill the batch."""
+
+    def __post_init__(self):
+        for name in ("eps_low", "eps_high"):
+            value = getattr(self, name)
+            if value is not None:
+                rule = (0 <= value < 1) if name == "eps_low" else value >= 0
+                _check(rule, f"gspo.{name}", "must be in [0, 1)" if name == "eps_low" else "must be >= 0", value)
+        _check(self.temperature > 0, "gspo.temperature", "must be > 0", self.temperature)
+        _check(self.advantage_eps >= 0, "gspo.advantage_eps", "must be >= 0", self.advantage_eps)
+        _positive("gspo", self, "num_minibatches", "group_size", "prompts_per_step")
+        if self.advantage_std == "sample":
+            _check(self.group_size >= 2, "gspo.group_size", "must be >= 2 with advantage_std=sample", self.group_size)
+        responses = self.prompts_per_step * self.group_size
+        _check(responses % self.num_minibatches == 0, "gspo.num_minibatches",
+               f"must divide prompts_per_step * group_size = {responses}", self.num_minibatches)
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) with the algorithm's defaults filled in."""
+        low, high = DEFAULT_CLIP[self.algorithm]
+        return (low if self.eps_low is None else self.eps_low,
+                high if self.eps_high is None else self.eps_high)
+
+    @property
+    def responses_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Literal["sglang", "megatron"] = "sglang"
+    """sglang: SGLang servers; megatron: in-process generation by the trained model (MoE on CPU,
+    colocated small runs)."""
+    server_urls: tuple[str, ...] = ()
+    """Running SGLang servers or router (http://host:port); empty: launch num_servers locally."""
+    num_servers: int = 1
+    """SGLang servers to launch when server_urls is empty."""
+    task: str = "arithmetic"
+    """Prompt source and reward verifier, by name."""
+    max_new_tokens: int = 1024
+    """Longest response sampled."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]; tokens outside it get -inf log-probs in the rollout."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    concurrency: int = 64
+    """Requests in flight per server."""
+    request_timeout_s: float = 600.0
+    """Seconds before a generation request is retried."""
+
+    def __post_init__(self):
+        _positive("rollout", self, "num_servers", "max_new_tokens", "concurrency")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "must be -1 or >= 1", self.top_k)
+        _check(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0", self.request_timeout_s)
+        if self.backend == "megatron":
+            _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
+                   self.server_urls)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    """Peak learning rate (Adam)."""
+    min_lr: float = 0.0
+    """Final learning rate of the linear/cosine schedules."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up, over all optimizer steps (num_steps * num_minibatches)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optimizer.lr", "must be > 0", self.lr)
+        _check(0 <= self.min_lr <= self.lr, "optimizer.min_lr", "must be in [0, lr]", self.min_lr)
+        _check(self.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0", self.warmup_steps)
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", self.weight_decay)
+        _check(self.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0", self.clip_grad)
+        for name in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, name) < 1, f"optimizer.{name}", "must be in [0, 1)", getattr(self, name))
+        _check(self.adam_eps > 0, "optimizer.adam_eps", "must be > 0", self.adam_eps)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint directory (iter_XXXXXXX/ folders and latest_checkpointed_iteration.txt); None: no
+    checkpoints."""
+    interval: int = 50
+    """Save every this many rollout steps (and at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted. 0 keeps all."""
+    resume: bool = True
+    """Continue from the latest complete checkpoint in dir when there is one."""
+    save_on_signal: bool = True
+    """Write a checkpoint when SIGTERM/SIGINT arrives (e.g. Slurm preemption) before exiting."""
+
+    def __post_init__(self):
+        _positive("checkpoint", self, "interval")
+        _check(self.keep_last >= 0, "checkpoint.keep_last", "must be >= 0", self.keep_last)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/gspo"
+    """Run directory: metrics.jsonl, the resolved config, TensorBoard events, plots."""
+    tensorboard: bool = True
+    """Write TensorBoard events to run_dir/tensorboard (skipped with a warning if not installed)."""
+    wandb_project: str | None = None
+    """Weights & Biases project; None: no W&B."""
+    wandb_offline: bool = False
+    """Log W&B offline (sync later with `wandb sync`)."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    """The policy model (required: model.hf_path or model.preset)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and micro-batch size."""
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    """The algorithm."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam and its learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and logs."""
+    seed: int = 1234
+    """Seed of model initialisation, data order and sampling."""
+    num_steps: int = 100
+    """Rollout steps; each makes gspo.num_minibatches optimizer steps."""
+
+    def __post_init__(self):
+        _check(self.num_steps >= 1, "num_steps", "must be >= 1", self.num_steps)
+        if self.rollout.backend == "sglang":
+            _check(self.model.hf_path is not None, "model.hf_path",
+                   "is required with rollout.backend=sglang (SGLang serves Hugging Face weights)", None)
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.num_steps * self.gspo.num_minibatches
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """TrainConfig from a YAML file (or the defaults) with `key.sub=value` overrides applied."""
+    raw: dict = {}
+    if path is not None:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        *parents, leaf = key.strip().split(".")
+        cls, node, prefix = TrainConfig, raw, ""
+        for part in parents:
+            tp = _field_type(cls, part, prefix)
+            if not dataclasses.is_dataclass(tp):
+                raise ValueError(f"{prefix}{part} is a value, not a section: cannot set {key}")
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{prefix}{part} must be a mapping")
+            cls, prefix = tp, f"{prefix}{part}."
+        tp = _field_type(cls, leaf, prefix)
+        if dataclasses.is_dataclass(tp):
+            raise ValueError(f"{key} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
+        node[leaf] = _parse_text(text.strip(), tp, key)
+    return from_dict(TrainConfig, raw)
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a nested mapping, coercing each value to its field's type."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        tp = _field_type(cls, key, prefix)
+        kwargs[key] = _coerce(value, tp, f"{prefix}{key}") if not dataclasses.is_dataclass(tp) \
+            else from_dict(hints[key], value or {}, f"{prefix}{key}.")
+    for f in dataclasses.fields(cls):
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if dataclasses.is_dataclass(hints[f.name]):
+                kwargs[f.name] = from_dict(hints[f.name], {}, f"{prefix}{f.name}.")
+            else:
+                raise ValueError(f"{prefix}{f.name} is required")
+    return cls(**kwargs)
+
+
+def to_dict(config) -> dict:
+    """Plain nested dict (tuples as lists), for YAML dumps and metrics headers."""
+    def plain(v):
+        return list(v) if isinstance(v, tuple) else v
+    return {k: (to_dict(v) if dataclasses.is_dataclass(v) else plain(v))
+            for k, v in ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))}
+
+
+def dump_yaml(config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def _leaf_paths(cls, prefix: str = "") -> list[str]:
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        out += _leaf_paths(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [f"{prefix}{name}"]
+    return out
+
+
+def _field_type(cls, key: str, prefix: str):
+    """The type of field `key` of `cls`, or a ValueError suggesting the nearest valid key."""
+    hints = typing.get_type_hints(cls)
+    if key in hints:
+        return hints[key]
+    raise ValueError(f"unknown config key {prefix + key!r}{_suggestion(key, prefix, hints)}")
+
+
+def _suggestion(key: str, prefix: str, hints: dict) -> str:
+    close = difflib.get_close_matches(key, hints, n=1, cutoff=0.6)
+    if close:  # a typo in this section
+        return f"; did you mean {prefix + close[0]!r}?"
+    by_leaf = {p.rsplit(".", 1)[-1]: p for p in reversed(_leaf_paths(TrainConfig))}
+    close = difflib.get_close_matches(key, by_leaf, n=1, cutoff=0.75)
+    if close:  # the name of a field in another section, e.g. `eps_low` -> `gspo.eps_low`
+        return f"; did you mean {by_leaf[close[0]]!r}?"
+    return f"; valid keys: {', '.join(hints)}"
+
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _optional_inner(tp):
+    """(inner type, True) for `X | None`, else (tp, False)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _parse_text(text: str, tp, name: str):
+    """A command-line string parsed by the field's type."""
+    inner, optional = _optional_inner(tp)
+    if optional and text.lower() in ("none", "null", "~", ""):
+        return None
+    if typing.get_origin(inner) is tuple:
+        text = text.strip("[]()")
+        return tuple(s.strip() for s in text.split(",") if s.strip())
+    if inner is bool:
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{name} must be true or false, got {text!r}")
+    if inner in (int, float):
+        try:
+            return inner(text)
+        except ValueError:
+            raise ValueError(f"{name} must be {'an integer' if inner is int else 'a number'}, got {text!r}") from None
+    return text  # str and Literal: checked by _coerce
+
+
+def _coerce(value, tp, name: str):
+    """A YAML (or parsed) value checked and converted to the field's type."""
+    inner, optional = _optional_inner(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{name} must not be empty")
+    if isinstance(value, str) and inner is not str and typing.get_origin(inner) is not Literal:
+        value = _parse_text(value, tp, name)  # e.g. YAML reads `3e-4` as a string
+        if value is None:
+            return None
+    if typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if typing.get_origin(inner) is tuple:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if inner is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if inner is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if inner is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if inner is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{name}: unsupported field type {tp}")

@@ -1,0 +1,253 @@
+"""Training checkpoints: save, find the latest complete one, resume exactly.
+
+Layout of DIR (shared storage, seen by every rank):
+
+    DIR/latest_checkpointed_iteration.txt   "7": written last, atomically (temp file + os.replace)
+    DIR/iter_0000007/         Megatron dist_checkpointing (torch_dist) of {"model": ..., "optimizer": ...}:
+        .metadata, common.pt, metadata.json, __*_*.distcp
+        trainer.pt            step, data state, user state (e.g. rollout state), lr scheduler state
+        rng/rank_00000.pt     each rank's RNG states: Python, NumPy, torch, CUDA, Megatron's tracker
+
+This is Megatron-LM's layout (tracker file, iter_XXXXXXX, the model under "model" / "model0".."),
+so the project's checkpoint tools read it as they read any Megatron checkpoint: e.g.
+`convert.load.load_weights(model, DIR)` or an HF export of DIR.
+
+A checkpoint is written into DIR/iter_0000007.tmp/ and renamed to iter_0000007/ by rank 0 only after
+every rank has finished writing, then the `latest` file is updated: a crash at any moment leaves
+either the previous complete checkpoint as the latest or the new one, never a partial one.
+`.tmp` leftovers of a crashed save are ignored by `find_latest` and deleted by the next save.
+
+Exactness: model and Adam state (both moments and the step count) are saved in float32 as they are;
+with the RNG states, the data position and the scheduler step restored, the resumed run takes the
+same steps bit for bit (tests/distributed/test_resume.py). RNG files are per rank, so an exact
+resume needs the same world size; model and optimizer reshard like any Megatron checkpoint.
+The same holds with Megatron's distributed optimizer (Adam state sharded over DP ranks), which on CPU
+needs the two work-arounds below (tested: DP2, bitwise); neither path has been run on GPUs yet.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest_checkpointed_iteration.txt"
+_COMPLETE = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass
+class TrainerState:
+    """Everything besides model and optimizer that a resumed run needs."""
+
+    step: int
+    """Completed rollout steps."""
+    data_state: Any = None
+    """The prompt source's position (anything picklable)."""
+    user_state: dict = field(default_factory=dict)
+    """Caller's extras, e.g. rollout state or a metrics cursor."""
+
+
+def iteration_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    return Path(ckpt_dir) / f"iter_{step:07d}"
+
+
+def complete_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints in ckpt_dir, ascending (`.tmp` leftovers are not complete)."""
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in path.iterdir() if p.is_dir() and (m := _COMPLETE.match(p.name)))
+
+
+def find_latest(ckpt_dir: str | os.PathLike) -> int | None:
+    """The step to resume from: the `latest` file's when that checkpoint exists, else the newest complete."""
+    complete = complete_iterations(ckpt_dir)
+    try:
+        named = int((Path(ckpt_dir) / LATEST).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        named = None
+    if named in complete:
+        return named
+    return complete[-1] if complete else None
+
+
+def _sharded_state(model: list, optimizer, *, is_loading: bool) -> dict:
+    modules = [getattr(chunk, "module", chunk) for chunk in model]
+    model_state = ({"model": modules[0].sharded_state_dict()} if len(modules) == 1 else
+                   {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)})
+    state = dict(model_state)
+    if optimizer is not None:
+        # Megatron-LM's default layout for the distributed optimizer's state (other optimizers ignore it).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return state
+
+
+def _create_distributed_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer the Adam state that loading overwrites.
+
+    megatron-core 0.16.1 optimizer/distrib_optimizer.py:642: without apex or Transformer Engine,
+    DistributedOptimizer.state_dict() asserts that Adam's `step` exists, so a freshly built one (no
+    step taken yet) cannot build the sharded state dict to load into. One zero-gradient step creates
+    the state, as Megatron does itself before an FSDP load (distrib_optimizer.py:1357); the load then
+    replaces it, and the model weights are loaded after it (a zero-gradient AdamW step can still
+    apply weight decay).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            with torch.no_grad():
+                opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_distributed_optimizer_steps(optimizer, loaded: dict) -> None:
+    """Put the checkpoint's Adam step count back into a distributed optimizer's state.
+
+    Without apex/TE the step lives in the saved param_groups (distrib_optimizer.py:671), and
+    DistributedOptimizer.load_state_dict (distrib_optimizer.py:817-825) writes it into a copy of the
+    state that, with state already allocated (our zero-gradient step above), does not reach torch's
+    Adam: the step stays 1 and Adam's bias correction is wrong after a resume. Measured on CPU with
+    megatron-core 0.16.1; a no-op with apex/TE and for the non-distributed optimizers.
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = loaded if isinstance(loaded, dict) and len(subs) == 1 else None
+    for i, opt in enumerate(subs):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        state = states if states is not None else loaded[i]
+        steps = {g["step"] for g in state["optimizer"]["param_groups"] if g.get("step") is not None}
+        if len(steps) != 1:
+            raise ValueError(f"distributed optimizer checkpoint holds Adam steps {sorted(steps)}; expected one")
+        step = float(steps.pop())
+        for param_state in opt.optimizer.state.values():
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _stop_writer_manager() -> None:
+    """Shut down the multiprocessing Manager that dist_checkpointing's writer leaves running.
+
+    megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:51-56 starts a spawned
+    Manager process for its results queue on the first save and keeps it for the process's life. If
+    the trainer is then killed (kill -9, os._exit), that process is orphaned and keeps the launcher's
+    stdout open. Stopping it after each save costs one process start per checkpoint.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+        filesystem_async._results_queue = None
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: list, optimizer, scheduler=None,
+                    *, keep_last: int = 0) -> Path:
+    """Write checkpoint `state.step` (collective: every rank calls it). Returns its directory."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = iteration_dir(ckpt_dir, state.step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        for stale in Path(ckpt_dir).glob("iter_*.tmp"):
+            shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
+    _stop_writer_manager()
+    if rank == 0:
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        torch.save({"step": state.step, "data_state": state.data_state, "user_state": state.user_state,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "world_size": dist.get_world_size()}, tmp / "trainer.pt")
+    dist.barrier()
+    if rank == 0:
+        if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomically(Path(ckpt_dir) / LATEST, f"{state.step}\n")
+        if keep_last:
+            for old in complete_iterations(ckpt_dir)[:-keep_last]:
+                shutil.rmtree(iteration_dir(ckpt_dir, old))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, scheduler=None, *,
+                    step: int | None = None, restore_rng: bool = True) -> TrainerState | None:
+    """Load the latest complete checkpoint (or `step`) into model/optimizer/scheduler; None if there is none.
+
+    Collective: every rank calls it.
+    """
+    from megatron.core import dist_checkpointing
+
+    step = find_latest(ckpt_dir) if step is None else step
+    if step is None:
+        return None
+    path = iteration_dir(ckpt_dir, step)
+    if optimizer is not None:
+        _create_distributed_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+    modules = [getattr(chunk, "module", chunk) for chunk in model]
+    for i, module in enumerate(modules):
+        module.load_state_dict(loaded["model"] if len(modules) == 1 else loaded[f"model{i}"])
+    if optimizer is not None:
+        with torch.no_grad():  # it copies into the main parameters, views of the model's with fp32 params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
+    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    if restore_rng:
+        rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if trainer["world_size"] != dist.get_world_size() or not rng_file.exists():
+            raise ValueError(f"{path} was saved by {trainer['world_size']} ranks, this run has "
+                             f"{dist.get_world_size()}: RNG states cannot be restored (restore_rng=False "
+                             "resumes without them, not bit-exactly)")
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    dist.barrier()
+    return TrainerState(step=trainer["step"], data_state=trainer["data_state"], user_state=trainer["user_state"])

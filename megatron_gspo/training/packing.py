@@ -1,0 +1,218 @@
+"""Responses -> this data-parallel rank's micro-batches (MicroBatch rows), balanced by tokens.
+
+Shapes: B rows (one response each), S positions (a row's padded length).
+
+One row is prompt + response, right-padded. The logits at position s predict token s+1, so with a
+3-token prompt [p0 p1 p2], a 2-token response [r0 r1] and rollout log-probs [l0 l1], padded to S=8:
+
+    position        0    1    2    3    4    5    6    7
+    tokens_BS       p0   p1   p2   r0   r1   0    0    0
+    labels_BS       p1   p2   r0   r1   0    0    0    0      tokens shifted left by one
+    loss_mask_BS    0    0    1    1    0    0    0    0      1 where the label is a response token
+    old_logprobs    0    0    l0   l1   0    0    0    0      aligned with the labels
+A per-token advantage list is aligned the same way as the log-probs.
+
+S is a multiple of `pad_multiple` = 2*cp*tp: context parallelism cuts rows into 2*cp chunks and
+sequence parallelism splits each CP part over the TP ranks.
+
+The split rule (all ranks compute it identically, no communication):
+1. Data parallel: the mini-batch's R responses must divide evenly over the D ranks (R/D each).
+   Responses are taken longest first and each goes to the rank with the fewest padded tokens among
+   those still short of R/D: equal sequence counts, near-equal token counts.
+2. Micro-batches, within a rank: responses sorted longest first are cut into consecutive chunks, each
+   holding as many rows as fit `max_tokens` at its first (longest) row's padded length, so similar
+   lengths share a micro-batch and padding stays small. A response longer than the budget gets a
+   micro-batch of its own.
+3. Every DP rank must run the same number of micro-batches (Megatron's schedule runs one collective
+   per micro-batch): M = the largest count any rank needs; a rank with fewer splits its fullest
+   micro-batch in two until it has M. M <= R/D always, so no micro-batch is empty.
+4. `uniform=True` (pipeline parallelism: stages exchange activations of one fixed shape) makes every
+   micro-batch the same [R/D/M, S_max]: M is the smallest divisor of R/D whose rows fit the budget.
+The gradient does not depend on the split (forward_step.py's loss contract); only speed does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from megatron_gspo.types import MicroBatch
+
+
+class Trainable(Protocol):
+    """What the trainer needs of one sampled response (the rollout's Sample adapts to this)."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    rollout_logprobs: Sequence[float] | None
+    """The sampler's log-prob of each response token, or None (then old log-probs are recomputed)."""
+    advantage: float | Sequence[float]
+    """One advantage for the response, or one per response token."""
+
+
+@dataclass(frozen=True)
+class Response:
+    """A plain Trainable."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    advantage: float | Sequence[float]
+    rollout_logprobs: Sequence[float] | None = None
+
+
+@dataclass
+class PackedMiniBatch:
+    """One DP rank's share of a mini-batch, as the schedule consumes it."""
+
+    micro_batches: list[MicroBatch]
+    rows: list[list[int]]
+    """For each micro-batch, the mini-batch index of the response in each row."""
+    rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
+    """Per micro-batch [B, S] rollout log-probs aligned like old_logprobs_BS (empty if not given)."""
+    num_global_sequences: int = 0
+    """N: responses in the mini-batch over all DP ranks (the GSPO normaliser)."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def seq_length(self) -> int:
+        """Longest padded row (the schedule's seq_length; exact for every micro-batch when uniform)."""
+        return max(mb.tokens_BS.shape[1] for mb in self.micro_batches)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return max(mb.tokens_BS.shape[0] for mb in self.micro_batches)
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def _check(responses: Sequence[Trainable]) -> None:
+    for i, r in enumerate(responses):
+        if len(r.prompt_ids) < 1:
+            raise ValueError(f"response {i}: the prompt is empty (the first response token needs context)")
+        if r.rollout_logprobs is not None and len(r.rollout_logprobs) != len(r.response_ids):
+            raise ValueError(f"response {i}: {len(r.rollout_logprobs)} rollout log-probs for "
+                             f"{len(r.response_ids)} response tokens")
+        if not isinstance(r.advantage, (int, float)) and len(r.advantage) != len(r.response_ids):
+            raise ValueError(f"response {i}: {len(r.advantage)} per-token advantages for "
+                             f"{len(r.response_ids)} response tokens")
+
+
+def assign_to_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Rule 1: response indices per DP rank, longest first, equal counts, balanced tokens."""
+    if len(lengths) % dp_size:
+        raise ValueError(f"{len(lengths)} responses do not divide over {dp_size} data-parallel ranks")
+    per_rank = len(lengths) // dp_size
+    ranks: list[list[int]] = [[] for _ in range(dp_size)]
+    tokens = [0] * dp_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min((r for r in range(dp_size) if len(ranks[r]) < per_rank), key=lambda r: (tokens[r], r))
+        ranks[rank].append(i)
+        tokens[rank] += lengths[i]
+    return ranks
+
+
+def _chunks_by_budget(order: list[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rule 2: `order` is longest first; each chunk fills the budget at its first row's length."""
+    chunks, start = [], 0
+    while start < len(order):
+        rows = max(1, max_tokens // lengths[order[start]])
+        chunks.append(order[start:start + rows])
+        start += rows
+    return chunks
+
+
+def _split_to(chunks: list[list[int]], count: int) -> list[list[int]]:
+    """Rule 3: split the fullest chunk in two until there are `count`."""
+    chunks = list(chunks)
+    while len(chunks) < count:
+        i = max(range(len(chunks)), key=lambda k: (len(chunks[k]), -k))
+        half = (len(chunks[i]) + 1) // 2
+        chunks[i:i + 1] = [chunks[i][:half], chunks[i][half:]]
+    return chunks
+
+
+def _uniform_count(per_rank: int, rows_that_fit: int) -> int:
+    """Rule 4: the smallest divisor M of per_rank with per_rank / M rows within the budget."""
+    return next(m for m in range(1, per_rank + 1) if per_rank % m == 0 and per_rank // m <= rows_that_fit)
+
+
+def plan_microbatches(lengths: Sequence[int], *, dp_size: int, max_tokens: int,
+                      uniform: bool = False) -> list[list[list[int]]]:
+    """Rules 1-4: for each DP rank, its micro-batches as lists of response indices.
+
+    `lengths` are padded row lengths (prompt + response rounded up to the pad multiple).
+    """
+    ranks = assign_to_dp(lengths, dp_size)
+    if uniform:
+        per_rank = len(ranks[0])
+        count = _uniform_count(per_rank, max(1, max_tokens // max(lengths)))
+        rows = per_rank // count
+        return [[rank[k * rows:(k + 1) * rows] for k in range(count)] for rank in ranks]
+    chunked = [_chunks_by_budget(rank, lengths, max_tokens) for rank in ranks]
+    count = max(len(c) for c in chunked)
+    return [_split_to(c, count) for c in chunked]
+
+
+def _rows(responses: Sequence[Trainable], length: int):
+    """[B, length] tensors of a list of responses, aligned as in the module docstring."""
+    B = len(responses)
+    tokens = torch.zeros(B, length, dtype=torch.long)
+    labels = torch.zeros(B, length, dtype=torch.long)
+    mask = torch.zeros(B, length)
+    rollout = torch.zeros(B, length)
+    per_token = [not isinstance(r.advantage, (int, float)) for r in responses]
+    if any(per_token) and not all(per_token):
+        raise ValueError("a mini-batch mixes per-sequence and per-token advantages")
+    advantages = torch.zeros(B, length) if all(per_token) else torch.zeros(B)
+    for b, r in enumerate(responses):
+        P, R = len(r.prompt_ids), len(r.response_ids)
+        row = torch.as_tensor(list(r.prompt_ids) + list(r.response_ids), dtype=torch.long)
+        tokens[b, :P + R] = row
+        labels[b, :P + R - 1] = row[1:]
+        targets = slice(P - 1, P + R - 1)          # positions whose label is a response token
+        mask[b, targets] = 1.0
+        if r.rollout_logprobs is not None:
+            rollout[b, targets] = torch.as_tensor(list(r.rollout_logprobs), dtype=torch.float32)
+        if per_token[0]:
+            advantages[b, targets] = torch.as_tensor(list(r.advantage), dtype=torch.float32)
+        else:
+            advantages[b] = float(r.advantage)
+    return tokens, labels, mask, rollout, advantages
+
+
+def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int, max_tokens: int,
+                   pad_multiple: int = 2, uniform: bool = False) -> PackedMiniBatch:
+    """This DP rank's micro-batches of `responses` (the whole mini-batch, the same list on every rank).
+
+    old_logprobs_BS holds the rollout log-probs (zeros where none were given: recompute them).
+    """
+    if not responses:
+        raise ValueError("an empty mini-batch")
+    _check(responses)
+    lengths = [padded_length(len(r.prompt_ids) + len(r.response_ids), pad_multiple) for r in responses]
+    plan = plan_microbatches(lengths, dp_size=dp_size, max_tokens=max_tokens, uniform=uniform)[dp_rank]
+    full = max(lengths)
+    packed = PackedMiniBatch(micro_batches=[], rows=plan, num_global_sequences=len(responses))
+    have_rollout = all(r.rollout_logprobs is not None for r in responses)
+    for indices in plan:
+        length = full if uniform else max(lengths[i] for i in indices)
+        tokens, labels, mask, rollout, advantages = _rows([responses[i] for i in indices], length)
+        packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages))
+        if have_rollout:
+            packed.rollout_logprobs.append(rollout)
+    return packed
+
+
+def responses_from_samples(samples: Sequence, advantages: Sequence[float] | torch.Tensor) -> list[Response]:
+    """The rollout's Samples (megatron_gspo.types.Sample: prompt_ids, response_ids, rollout_logprobs)
+    paired in order with their advantages (one per sample, e.g. loss.group_advantages(...).advantages_R)."""
+    advantages = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
+    if len(samples) != len(advantages):
+        raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
+    return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs) for s, a in zip(samples, advantages)]

@@ -1,0 +1,30 @@
+"""Checks that need the file system, run before any work starts (config.py checks values only)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_gspo.config import TrainConfig
+
+
+def _writable(path: str, name: str) -> None:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / f".write_test.{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{name}: cannot write to {path!r} ({e.strerror or e})") from None
+
+
+def preflight(config: TrainConfig) -> None:
+    """Raise ValueError naming the setting when a path the run needs is missing or not writable."""
+    model = config.model
+    if model.hf_path is not None and not (Path(model.hf_path) / "config.json").is_file():
+        raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
+    if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
+        raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "
+                         f"{model.init_checkpoint!r} (metadata.json not found)")
+    if config.checkpoint.dir is not None:
+        _writable(config.checkpoint.dir, "checkpoint.dir")
+    _writable(config.logging.run_dir, "logging.run_dir")

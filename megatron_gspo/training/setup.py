@@ -1,0 +1,62 @@
+"""From a TrainConfig to what train_on_batch needs: the model chunks, Adam + schedule, step settings.
+
+Call after `parallel.groups.init_megatron(config.parallel.layout)`. Initial weights are the
+caller's choice (random from `config.seed`, `convert.load.load_weights(policy.model, ...)`, or
+`checkpoint.load_checkpoint` when resuming).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_gspo.config import TrainConfig
+from megatron_gspo.model.gpt import Qwen3Shape, build_model, transformer_config
+from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.training.forward_step import LossSettings
+from megatron_gspo.training.optimizer import build_optimizer
+from megatron_gspo.training.step import StepSettings
+
+
+@dataclass
+class Policy:
+    shape: Qwen3Shape
+    model: list
+    """This rank's DDP-wrapped model chunks."""
+    optimizer: object
+    scheduler: object
+
+
+def model_shape(config: TrainConfig) -> Qwen3Shape:
+    if config.model.preset is not None:
+        return PRESETS[config.model.preset]
+    from megatron_gspo.convert.hf_config import read_hf_config
+
+    return read_hf_config(config.model.hf_path)
+
+
+def build_policy(config: TrainConfig) -> Policy:
+    """The model (randomly initialised from config.seed) with its optimizer and lr schedule."""
+    from megatron.core import tensor_parallel
+
+    shape = model_shape(config)
+    dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+    layout = config.parallel.layout
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(shape, transformer_config(shape, layout, params_dtype=dtype,
+                                                  aux_loss_coeff=config.model.moe_aux_loss_coeff),
+                        ddp_overrides={"use_distributed_optimizer": config.parallel.distributed_optimizer})
+    optimizer, scheduler = build_optimizer(model, config.optimizer, total_steps=config.optimizer_steps,
+                                           params_dtype=dtype, distributed=config.parallel.distributed_optimizer)
+    return Policy(shape, model, optimizer, scheduler)
+
+
+def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
+    gspo = config.gspo
+    eps_low, eps_high = gspo.clip_range
+    return StepSettings(
+        loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
+                          temperature=gspo.temperature, vocab_size=shape.vocab_size),
+        num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
+        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch)

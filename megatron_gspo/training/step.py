@@ -1,0 +1,212 @@
+"""One rollout batch -> K optimizer steps (GSPO's mini-batches), through Megatron's schedules.
+
+    records = train_on_batch(model, optimizer, responses, settings, scheduler=scheduler)
+
+1. The batch is cut into K consecutive mini-batches and each is packed for this DP rank (packing.py).
+2. old_logprobs="recompute": one forward-only pass per mini-batch, before any update, on exactly the
+   micro-batches it will train on, so mini-batch 1's training forward reproduces them bitwise and its
+   s_i is exactly 1 (nothing clipped). The train-vs-rollout log-prob gap is measured here.
+   old_logprobs="rollout": the sampler's log-probs are pi_old; mini-batch 1's ratio *is* that gap.
+3. Each mini-batch: one forward/backward over its micro-batches (policy_forward_step's loss contract
+   makes the gradient d(-J over the mini-batch's N sequences)), one optimizer step, metrics.
+
+Every rank gets the same list of per-optimizer-step metric dicts (reduced over data/context
+parallel ranks and sent from the last pipeline stage).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
+from megatron_gspo.parallel.context_parallel import gather_from_cp
+from megatron_gspo.parallel.collectives import group_rank, group_size
+from megatron_gspo.training.forward_step import (Groups, LossSettings, logprobs_forward_step,
+                                                 policy_forward_step)
+from megatron_gspo.training.packing import PackedMiniBatch, Trainable, pack_minibatch
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    loss: LossSettings
+    """Algorithm, clip range, temperature, true vocabulary size."""
+    num_minibatches: int = 4
+    """K: optimizer steps per rollout batch."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """pi_old's log-probs: recomputed here before any update, or the rollout engine's."""
+    max_tokens_per_microbatch: int = 8192
+    """Micro-batch token budget (rows x padded length)."""
+
+
+def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[Trainable]]:
+    if len(responses) % k:
+        raise ValueError(f"{len(responses)} responses do not split into {k} equal mini-batches")
+    size = len(responses) // k
+    return [responses[i * size:(i + 1) * size] for i in range(k)]
+
+
+def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], settings: StepSettings, *,
+                   scheduler=None, groups: Groups | None = None) -> list[dict[str, float]]:
+    """Train on one rollout batch (the same list on every rank); one metrics dict per optimizer step.
+
+    Keys: loss (-J of the mini-batch), clipped_fraction_seq / _token, ratio_mean / _min / _max (s_i),
+    abs_log_ratio_per_token / _per_seq (|log ratio| vs. pi_old), train_rollout_abs_delta_token / _seq
+    (|Megatron - rollout| log-prob: every step with recompute, step 1 with rollout log-probs),
+    rollout_nonfinite_tokens, response_tokens, sequences, sequences_empty / _nonfinite, grad_norm, lr,
+    update_successful, microbatches, train_time_s, recompute_time_s.
+    """
+    from megatron.core import parallel_state as ps
+
+    groups = groups or Groups.from_parallel_state()
+    if settings.old_logprobs == "rollout" and any(r.rollout_logprobs is None for r in responses):
+        raise ValueError("old_logprobs='rollout' needs rollout_logprobs on every response")
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    packed = [pack_minibatch(mini, dp_size=groups.dp_size, dp_rank=ps.get_data_parallel_rank(),
+                             max_tokens=settings.max_tokens_per_microbatch,
+                             pad_multiple=2 * group_size(groups.cp) * tp, uniform=pp > 1)
+              for mini in split_minibatches(responses, settings.num_minibatches)]
+
+    gaps: list[dict[str, float]] = [{} for _ in packed]
+    start = time.perf_counter()
+    if settings.old_logprobs == "recompute":
+        for k, mini in enumerate(packed):
+            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, groups)
+    recompute_s = time.perf_counter() - start
+
+    records = []
+    for k, mini in enumerate(packed):
+        start = time.perf_counter()
+        record = _optimizer_step(model, optimizer, mini, settings.loss, groups)
+        if scheduler is not None:
+            scheduler.step(1)
+        record["train_time_s"] = time.perf_counter() - start
+        if settings.old_logprobs == "recompute":
+            record.update(gaps[k])
+            record["recompute_time_s"] = recompute_s / len(packed)
+        elif k == 0:  # weights still those that sampled: the policy ratio is the train/rollout gap
+            record["train_rollout_abs_delta_token"] = record["abs_log_ratio_per_token"]
+            record["train_rollout_abs_delta_seq"] = record["abs_log_ratio_per_seq"]
+        records.append(record)
+    return records
+
+
+def _run_schedule(model, mini: PackedMiniBatch, forward_step, *, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    data = [iter(mini.micro_batches) for _ in model] if len(model) > 1 else iter(mini.micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=model,
+        num_microbatches=mini.num_microbatches, seq_length=mini.seq_length,
+        micro_batch_size=mini.micro_batch_size, forward_only=forward_only)
+
+
+def _dp_cp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+@torch.no_grad()
+def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, groups: Groups) -> dict:
+    """Fill every micro-batch's old_logprobs_BS with the current policy's; return the rollout gap."""
+    from megatron.core import parallel_state as ps
+
+    # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
+    outputs = _run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return _from_last_stage({})
+    sums = torch.zeros(5, dtype=torch.float64)  # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite
+    for i, (mb, out) in enumerate(zip(mini.micro_batches, outputs)):
+        logprobs_BS = gather_from_cp(out["logprobs"], groups.cp) if group_size(groups.cp) > 1 else out["logprobs"]
+        mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
+        if mini.rollout_logprobs and group_rank(groups.cp) == 0:
+            sums += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
+    if not mini.rollout_logprobs:
+        return _from_last_stage({})
+    dist.all_reduce(sums, group=_dp_cp_group())
+    abs_token, tokens, abs_seq, seqs, nonfinite = sums.tolist()
+    return _from_last_stage({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
+                             "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
+                             "rollout_nonfinite_tokens": nonfinite})
+
+
+def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
+    """Sums for the mean |train - rollout| log-prob per token and per sequence (mean over its tokens)."""
+    delta_BS = (train_BS.double() - rollout_BS.double())
+    finite_BS = mask_BS.bool() & torch.isfinite(delta_BS)
+    delta_BS = torch.where(finite_BS, delta_BS, 0.0)
+    count_B = finite_BS.sum(1)
+    has = count_B > 0
+    seq_B = delta_BS.sum(1).abs() / count_B.clamp(min=1)
+    return torch.stack([delta_BS.abs().sum(), count_B.sum().double(), seq_B[has].sum(),
+                        has.sum().double(), (mask_BS.bool() & ~finite_BS).sum().double()])
+
+
+def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, groups: Groups) -> dict:
+    from megatron.core import parallel_state as ps
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_step = policy_forward_step(loss, groups=groups, num_global_sequences=mini.num_global_sequences,
+                                       num_microbatches=mini.num_microbatches)
+    outputs = _run_schedule(model, mini, forward_step, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    loss_metrics = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        raw = reduce_metrics([o["metrics"] for o in outputs], group=_dp_cp_group())
+        loss_sum = torch.stack([o["loss_sum"].double() for o in outputs]).sum()
+        dist.all_reduce(loss_sum, group=_dp_cp_group())
+        loss_metrics = {"loss": loss_sum.item() / mini.num_global_sequences,
+                        "sequences": float(mini.num_global_sequences), **summarize_metrics(raw)}
+    # The optimizer's numbers are the same on every rank; the loss's live on the last stage.
+    return {**_from_last_stage(loss_metrics),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_successful": float(bool(update_successful)),
+            "lr": float(optimizer.param_groups[0]["lr"]),
+            "microbatches": float(mini.num_microbatches)}
+
+
+def _from_last_stage(values: dict) -> dict:
+    """`values` of the last pipeline stage, on every rank of the pipeline (identity without PP)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return values
+    box = [values]
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+@torch.no_grad()
+def compute_logprobs(model: list, responses: Sequence[Trainable], loss: LossSettings, *,
+                     max_tokens_per_microbatch: int = 8192, groups: Groups | None = None) -> list[list[float]]:
+    """The current policy's log-prob of every response token (float32), for all responses on every rank.
+
+    Data-parallel ranks each compute their share; the results are exchanged with all_gather_object.
+    """
+    from megatron.core import parallel_state as ps
+
+    groups = groups or Groups.from_parallel_state()
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    mini = pack_minibatch(responses, dp_size=groups.dp_size, dp_rank=ps.get_data_parallel_rank(),
+                          max_tokens=max_tokens_per_microbatch,
+                          pad_multiple=2 * group_size(groups.cp) * tp, uniform=pp > 1)
+    outputs = _run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
+    mine: dict[int, list[float]] = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for rows, out in zip(mini.rows, outputs):
+            logprobs_BS = gather_from_cp(out["logprobs"], groups.cp) if group_size(groups.cp) > 1 else out["logprobs"]
+            for b, i in enumerate(rows):
+                start = len(responses[i].prompt_ids) - 1
+                mine[i] = logprobs_BS[b, start:start + len(responses[i].response_ids)].float().tolist()
+        parts: list = [None] * groups.dp_size
+        dist.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
+        mine = {i: v for part in parts for i, v in part.items()}
+    mine = _from_last_stage(mine)
+    return [mine[i] for i in range(len(responses))]

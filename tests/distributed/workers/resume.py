@@ -1,0 +1,121 @@
+"""Exact resume: an interrupted and resumed run ends with the same parameters as an uninterrupted one.
+
+usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt]
+(`distopt`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks.)
+PHASE "run": (A) trains 4 rollout steps uninterrupted and saves its final parameters as the reference;
+  (B) from the same seed trains 2 steps, checkpointing after each (keep_last=1), starts step 3, leaves a
+  half-written iter_0000003.tmp behind as a crashed save would, and exits without any clean-up (os._exit).
+PHASE "resume": a fresh process with a different model init and RNG state resumes from the latest
+  complete checkpoint (step 2), trains steps 3-4, and compares every parameter with the reference.
+Each rollout step = 2 mini-batches (Adam steps) under a warm-up + cosine schedule; the batch of a step
+is chosen by the data position *and* torch's global RNG, so both must be restored exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.training.checkpoint import (TrainerState, complete_iterations, find_latest,
+                                               load_checkpoint, save_checkpoint)
+from megatron_gspo.training.forward_step import LossSettings
+from megatron_gspo.training.step import StepSettings, train_on_batch
+
+from trainer_common import SHAPE, params, synthetic_responses, tiny_model
+
+STEPS, K, GROUP = 4, 2, 4
+DISTRIBUTED_OPTIMIZER = sys.argv[4:5] == ["distopt"]
+
+
+class SyntheticData:
+    """Batches of 2 groups from a fixed pool: the cursor picks the groups, torch's global RNG their order
+    and an advantage scale (as a sampler's randomness would), so a resume must restore both."""
+
+    def __init__(self):
+        self.pool = synthetic_responses(seed=11, n=STEPS * 2 * GROUP)
+        self.position = 0
+
+    def next_batch(self):
+        groups = [self.pool[(self.position + g) * GROUP:(self.position + g + 1) * GROUP] for g in range(2)]
+        self.position += 2
+        scale = 1.0 + torch.rand(()).item()
+        return [dataclasses.replace(r, advantage=r.advantage * scale)
+                for g in torch.randperm(2).tolist() for r in groups[g]]
+
+
+def setup(layout, seed):
+    model, optimizer, scheduler = tiny_model(layout, seed=seed, lr=2e-3, total_steps=STEPS * K,
+                                             schedule="cosine", warmup_steps=2, min_lr=1e-4,
+                                             distributed_optimizer=DISTRIBUTED_OPTIMIZER)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, data, steps, settings):
+    for _ in range(steps):
+        train_on_batch(model, optimizer, data.next_batch(), settings, scheduler=scheduler)
+
+
+def main():
+    workdir, phase, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    layout = Layout(tp=tp)
+    init_megatron(layout, seed=1)
+    rank = dist.get_rank()
+    ckpt = workdir / "checkpoints"
+    settings = StepSettings(LossSettings(algorithm="gspo", eps_low=0.05, eps_high=0.05,
+                                         vocab_size=SHAPE.vocab_size), num_minibatches=K,
+                            max_tokens_per_microbatch=64)
+    if phase == "run":
+        model, optimizer, scheduler = setup(layout, seed=5)
+        train(model, optimizer, scheduler, SyntheticData(), STEPS, settings)
+        torch.save(params(model), workdir / f"reference_rank{rank}.pt")
+        print(f"OK reference rank {rank}", flush=True)
+
+        model, optimizer, scheduler = setup(layout, seed=5)
+        data = SyntheticData()
+        for step in (1, 2):
+            train(model, optimizer, scheduler, data, 1, settings)
+            save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
+                            model, optimizer, scheduler, keep_last=1)
+        assert complete_iterations(ckpt) == [2], complete_iterations(ckpt)   # keep_last pruned step 1
+        train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
+        if rank == 0:                                                       # ... its save crashes midway
+            (ckpt / "iter_0000003.tmp").mkdir(parents=True)
+            (ckpt / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
+        dist.barrier()
+        print(f"OK interrupted rank {rank}", flush=True)
+        os._exit(0)  # no destroy_process_group, no atexit: as abrupt as a kill after the last flush
+
+    model, optimizer, scheduler = setup(layout, seed=99)   # different init: the checkpoint must win
+    torch.manual_seed(12345)                               # different RNG: the checkpoint's must win
+    assert find_latest(ckpt) == 2, find_latest(ckpt)
+    state = load_checkpoint(ckpt, model, optimizer, scheduler)
+    assert state.step == 2 and state.user_state == {"rollouts": 2}, state
+    assert scheduler.num_steps == 2 * K, scheduler.num_steps
+    at_step2 = params(model)
+    data = SyntheticData()
+    data.position = state.data_state
+    train(model, optimizer, scheduler, data, STEPS - state.step, settings)
+    reference = torch.load(workdir / f"reference_rank{rank}.pt")
+    worst = 0.0
+    for name, p in params(model).items():
+        worst = max(worst, (p - reference[name]).abs().max().item())
+    identical = all(torch.equal(p, reference[n]) for n, p in params(model).items())
+    assert worst <= 1e-7, f"rank {rank}: resumed parameters differ from the uninterrupted run by {worst:.3e}"
+    # The checkpoint tools read it as a Megatron checkpoint (last: building a model reseeds the RNG).
+    from megatron_gspo.convert.load import load_weights
+    other, _, _ = setup(layout, seed=123)
+    load_weights(other, ckpt)
+    assert all(torch.equal(p, at_step2[n]) for n, p in params(other).items())
+    print(f"OK resumed rank {rank}: parameters {'bitwise identical' if identical else f'within {worst:.1e}'} "
+          f"to the uninterrupted run", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""The trainer's step on two processes: micro-batch invariance, on-policy s == 1, the rollout gap, learning.
+
+usage: torchrun --nproc-per-node 2 train_step.py TP PP EP MODEL [CP]
+e.g. `1 1 1 dense` (data parallel over 2 ranks), `2 1 1 dense`, `1 2 1 dense`, `1 1 1 dense 2`, `1 1 2 moe` (tiny
+Qwen3-MoE, experts over 2 ranks). Prints "OK <check>" per passed check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.training.forward_step import LossSettings
+from megatron_gspo.training.packing import Response
+from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
+
+from megatron_gspo.model.presets import PRESETS
+
+from trainer_common import synthetic_responses, tiny_model
+
+N = 16
+
+
+def say(msg):
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def main():
+    tp, pp, ep = map(int, sys.argv[1:4])
+    preset = "tiny_moe" if sys.argv[4] == "moe" else "tiny_dense"
+    shape = PRESETS[preset]
+    cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp)
+    init_megatron(layout, seed=1)
+    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
+    responses = synthetic_responses(seed=3, n=N)
+
+    # 1. The gradient does not depend on the micro-batch split: one micro-batch vs. many.
+    norms, losses = [], []
+    for budget in (4096, 40):
+        model, optimizer, scheduler = tiny_model(layout, seed=5, preset=preset)
+        (rec,) = train_on_batch(model, optimizer, responses, StepSettings(loss, num_minibatches=1,
+                                max_tokens_per_microbatch=budget), scheduler=scheduler)
+        norms.append(rec["grad_norm"]); losses.append(rec["loss"])
+        say(f"budget {budget}: {rec['microbatches']:.0f} micro-batches, grad norm {rec['grad_norm']:.9f}")
+    # MoE: the load-balancing aux loss is computed per micro-batch, so it (alone) depends on the split.
+    assert abs(norms[0] - norms[1]) <= (1e-4 if shape.is_moe else 1e-5) * norms[0], norms
+    assert abs(losses[0] - losses[1]) <= 1e-7, losses
+    say("OK microbatch invariance")
+
+    # 2. Recompute: mini-batch 1 is on-policy, so s_i == 1 exactly and nothing is clipped;
+    #    mini-batch 2 was recomputed before step 1 moved the weights, so its ratios are not 1.
+    records = train_on_batch(model, optimizer, responses,
+                             StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64),
+                             scheduler=scheduler)
+    first, second = records
+    assert first["ratio_min"] == first["ratio_max"] == 1.0, first
+    assert first["clipped_fraction_seq"] == 0.0 and first["clipped_fraction_token"] == 0.0, first
+    assert first["abs_log_ratio_per_token"] == 0.0, first
+    assert second["ratio_min"] != 1.0 or second["ratio_max"] != 1.0, second
+    assert math.isfinite(first["grad_norm"]) and first["grad_norm"] > 0
+    assert first["sequences"] == N / 2 and first["sequences_empty"] in (0.0, 1.0)
+    assert first["lr"] == 1e-3
+    say(f"OK on-policy first mini-batch: ratio [{first['ratio_min']}, {first['ratio_max']}], "
+        f"clipped 0; second: ratio [{second['ratio_min']:.6f}, {second['ratio_max']:.6f}]")
+
+    # 3. The train-vs-rollout gap: rollout log-probs = current ones shifted by +-1e-3 per sequence.
+    current = compute_logprobs(model, responses, loss)
+    shifted = [dataclasses.replace(r, rollout_logprobs=[lp + (1e-3 if i % 2 else -1e-3) for lp in lps])
+               for i, (r, lps) in enumerate(zip(responses, current))]
+    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1))[0]
+    assert abs(rec["train_rollout_abs_delta_token"] - 1e-3) < 1e-5, rec
+    assert abs(rec["train_rollout_abs_delta_seq"] - 1e-3) < 1e-5, rec
+    assert rec["ratio_min"] == rec["ratio_max"] == 1.0   # recomputed old log-probs, not the rollout's
+    say(f"OK train-rollout gap {rec['train_rollout_abs_delta_token']:.7f} per token, "
+        f"{rec['train_rollout_abs_delta_seq']:.7f} per sequence (1e-3 injected)")
+
+    # 4. Learning: with fixed old log-probs (rollout mode, wide clip) each step lowers the loss -J.
+    current = compute_logprobs(model, responses, loss)
+    fixed = [dataclasses.replace(r, rollout_logprobs=lps) for r, lps in zip(responses, current)]
+    wide = StepSettings(dataclasses.replace(loss, eps_low=0.2, eps_high=0.2), num_minibatches=1,
+                        old_logprobs="rollout")
+    history = [train_on_batch(model, optimizer, fixed, wide)[0]["loss"] for _ in range(5)]
+    say("loss over steps: " + ", ".join(f"{v:.6f}" for v in history))
+    # Step 1 starts on-policy: s == 1, so -J = -(1/N) sum of A over non-empty responses (an empty
+    # response counts in N but adds nothing; group advantages sum to 0, so this is A_empty / N).
+    expected = -sum(r.advantage for r in responses if r.response_ids) / N
+    assert abs(history[0] - expected) < 1e-6, (history, expected)
+    assert all(b < a for a, b in zip(history[:3], history[1:3])), history
+    assert all(b <= a for a, b in zip(history, history[1:])), history
+    # The objective is bounded by the clip: -J >= -(1/N) (1.2 sum_{A>0} A + 0.8 sum_{A<0} A).
+    bound = -sum((1.2 if r.advantage > 0 else 0.8) * r.advantage for r in responses if r.response_ids) / N
+    assert history[-1] >= bound - 1e-6, (history, bound)
+    say("OK loss decreases")
+
+
+if __name__ == "__main__":
+    main()
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,46 @@
+"""Shared pieces of the trainer's distributed test workers: a tiny dense Qwen3 and synthetic responses."""
+from __future__ import annotations
+
+import torch
+
+from megatron_gspo.config import (GSPOConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig,
+                                  TrainConfig)
+from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.model.presets import TINY_DENSE
+from megatron_gspo.training.packing import Response
+from megatron_gspo.training.setup import build_policy
+
+SHAPE = TINY_DENSE
+
+
+def tiny_model(layout, *, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",
+               distributed_optimizer: bool = False, **optimizer):
+    """(model chunks, Adam, scheduler), initialised identically for the same seed, via training.setup."""
+    config = TrainConfig(
+        model=ModelConfig(preset=preset, dtype="float32"),
+        parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                                distributed_optimizer=distributed_optimizer),
+        gspo=GSPOConfig(num_minibatches=1, group_size=4, prompts_per_step=4),
+        rollout=RolloutConfig(backend="megatron"),
+        optimizer=OptimizerConfig(**{"lr": lr, "clip_grad": 0.0, **optimizer}),
+        seed=seed, num_steps=total_steps)
+    policy = build_policy(config)
+    return policy.model, policy.optimizer, policy.scheduler
+
+
+def synthetic_responses(seed: int, n: int, group_size: int = 4) -> list[Response]:
+    """n responses in groups of group_size: prompts of 3-8 tokens, responses of 0-20 (one empty)."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    advantages = group_advantages(rewards, group_size).advantages_R.tolist()
+    responses = []
+    for i in range(n):
+        prompt = torch.randint(1, SHAPE.vocab_size, (int(torch.randint(3, 9, (), generator=g)),), generator=g)
+        length = 0 if i == 1 else int(torch.randint(1, 21, (), generator=g))
+        response = torch.randint(1, SHAPE.vocab_size, (length,), generator=g)
+        responses.append(Response(prompt.tolist(), response.tolist(), advantages[i]))
+    return responses
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for chunk in model for n, p in chunk.module.named_parameters()}

@@ -1,0 +1,115 @@
+"""Configuration: YAML + overrides map onto typed, validated dataclasses; bad input names the field."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.config import TrainConfig, dump_yaml, load_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TINY = EXAMPLES / "tiny_cpu.yaml"
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "qwen3_30b_a3b_gspo", "qwen3_235b_a22b_gspo"])
+def test_presets_load(name):
+    config = load_config(EXAMPLES / f"{name}.yaml")
+    assert isinstance(config, TrainConfig)
+    assert config.gspo.algorithm == "gspo" and config.gspo.num_minibatches == 4
+
+
+def test_paper_preset_has_paper_settings():
+    config = load_config(EXAMPLES / "qwen3_30b_a3b_gspo.yaml")
+    assert config.gspo.clip_range == (3e-4, 4e-4)
+    assert config.gspo.old_logprobs == "recompute"
+    assert (config.parallel.tp, config.parallel.ep, config.parallel.etp) == (4, 8, 1)
+
+
+def test_tiny_cpu_runs_on_two_processes():
+    layout = load_config(TINY).parallel.layout
+    assert layout.dp(2) * layout.tp * layout.pp * layout.cp == 2
+
+
+def test_overrides_are_parsed_by_field_type():
+    config = load_config(TINY, ["gspo.eps_low=2e-4", "gspo.eps_high=none", "num_steps=7",
+                                "logging.tensorboard=yes", "rollout.server_urls=http://a:1, http://b:2",
+                                "gspo.algorithm=grpo", "parallel.etp=1", "optimizer.lr=1"])
+    assert config.gspo.eps_low == 2e-4 and config.gspo.eps_high is None
+    assert config.num_steps == 7 and config.logging.tensorboard is True
+    assert config.rollout.server_urls == ("http://a:1", "http://b:2")
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    # eps_high None -> GRPO's default; eps_low as given.
+    assert config.gspo.clip_range == (2e-4, 0.27)
+
+
+def test_clip_defaults_follow_the_algorithm():
+    assert load_config(TINY, ["gspo.algorithm=grpo"]).gspo.clip_range == (0.2, 0.27)
+    assert load_config(TINY, ["gspo.algorithm=gspo_token"]).gspo.clip_range == (3e-4, 4e-4)
+
+
+def test_yaml_scientific_notation_without_dot(tmp_path):
+    # YAML 1.1 reads `3e-4` as a string; a float field still takes it.
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny_dense}\nrollout: {backend: megatron}\ngspo: {eps_low: 3e-4}\n")
+    assert load_config(path).gspo.eps_low == 3e-4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("gspo.eps_low=-1", "gspo.eps_low must be in [0, 1), got -1.0"),
+    ("gspo.temperature=0", "gspo.temperature must be > 0"),
+    ("parallel.tp=0", "parallel.tp must be >= 1"),
+    ("parallel.tp=two", "parallel.tp must be an integer, got 'two'"),
+    ("gspo.algorithm=ppo", "gspo.algorithm must be one of gspo, gspo_token, grpo"),
+    ("gspo.old_logprobs=sglang", "gspo.old_logprobs must be one of recompute, rollout"),
+    ("logging.tensorboard=maybe", "logging.tensorboard must be true or false"),
+    ("gspo.num_minibatches=3", "gspo.num_minibatches must divide prompts_per_step * group_size = 128"),
+    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("optimizer.min_lr=1", "optimizer.min_lr must be in [0, lr]"),
+    ("model.preset=tiny_moe", "exactly one must be set"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ValueError) as err:
+        load_config(TINY, [override])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("gspo.eps_lo=1", "'gspo.eps_low'"),
+    ("eps_low=1", "'gspo.eps_low'"),            # right name, wrong section
+    ("num_step=3", "'num_steps'"),
+    ("optimiser.lr=1", "'optimizer'"),
+])
+def test_unknown_keys_suggest_the_nearest(override, suggestion):
+    with pytest.raises(ValueError, match="unknown config key") as err:
+        load_config(TINY, [override])
+    assert f"did you mean {suggestion}" in str(err.value)
+
+
+def test_unknown_yaml_key_rejected(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny_dense}\nrollout: {backend: megatron, max_new_token: 5}\n")
+    with pytest.raises(ValueError, match="'rollout.max_new_token'; did you mean 'rollout.max_new_tokens'"):
+        load_config(path)
+
+
+def test_malformed_override():
+    with pytest.raises(ValueError, match="key.sub=value"):
+        load_config(TINY, ["num_steps"])
+    with pytest.raises(ValueError, match="is a section"):
+        load_config(TINY, ["gspo=1"])
+
+
+def test_sglang_backend_needs_hf_weights(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny_dense}\n")
+    with pytest.raises(ValueError, match="model.hf_path is required with rollout.backend=sglang"):
+        load_config(path)
+    assert load_config(path, ["rollout.backend=megatron"]).model.preset == "tiny_dense"
+
+
+def test_frozen_and_round_trips_through_yaml(tmp_path):
+    config = load_config(TINY, ["gspo.eps_low=1e-4", "rollout.server_urls=http://x:1"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_steps = 3
+    dump_yaml(config, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == config
