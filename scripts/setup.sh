@@ -18,6 +18,7 @@ requirements=(
   # Hugging Face side of checkpoint conversion and the parity tool; the version SGLang 0.5.23 wants.
   "transformers==5.19.0" "tokenizers==0.23.2" "safetensors"
   "matplotlib"  # the reward / clip-fraction / length plot of a run
+  "httpx"       # the async rollout client (SGLang HTTP API)
 )
 stamp_text="$(printf '%s\n' "${requirements[@]}"; cat pyproject.toml)"
 stamp=$venv/.megatron_gspo_setup

@@ -5,5 +5,12 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"
 cd "$root"
-if [ $# -eq 0 ]; then set -- -m "not slow and not sglang and not gpu"; fi
+# Default selection: everything but the slow and GPU tiers. The sglang tier (real SGLang servers on
+# CPU) needs .venv-sglang: set it up (idempotent; ~2.8 GB and ~80 s the first time) whenever the
+# selection can include it.
+if [ $# -eq 0 ]; then set -- -m "not slow and not gpu"; fi
+case " $* " in
+  *"not sglang"*) ;;
+  *) "$root/scripts/setup_sglang.sh" ;;
+esac
 exec "$root/.venv/bin/python" -m pytest "$@"

@@ -1,0 +1,105 @@
+"""`megatron-gspo <command>`: thin argument parsing, one call into the library per command.
+
+Commands: `rollout` (offline rollouts from SGLang servers into a samples JSONL file; also the way to
+debug a reward function).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+
+def _rollout_parser(sub) -> None:
+    p = sub.add_parser("rollout", help="sample G responses per prompt from SGLang servers into a JSONL file",
+                       description="Roll out G samples per prompt (with log-probs and optional rewards).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", help="comma-separated URLs of running SGLang servers")
+    where.add_argument("--launch", metavar="MODEL_DIR", help="start SGLang server(s) on this HF model directory")
+    p.add_argument("--prompts", required=True, help="JSONL: one {prompt | prompt_ids, answer?} per line")
+    p.add_argument("--out", required=True, help="output JSONL, one sample per line")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (G)")
+    p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
+    p.add_argument("--reward", help="'exact_match', 'math' or 'module:function' (default: no rewards)")
+    p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per sample")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--max-new-tokens", type=int, default=256)
+    s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
+    c = p.add_argument_group("client")
+    c.add_argument("--api-key", help="API key of the servers (sent as a Bearer token)")
+    c.add_argument("--concurrency", type=int, default=8, help="requests in flight per server")
+    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per /generate request")
+    c.add_argument("--max-attempts", type=int, default=4, help="tries per group over all servers")
+    la = p.add_argument_group("--launch")
+    la.add_argument("--num-servers", type=int, default=1)
+    la.add_argument("--sglang-python", help="interpreter with SGLang (default: $MEGATRON_GSPO_SGLANG_PYTHON "
+                                           "or .venv-sglang/bin/python)")
+    la.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    la.add_argument("--dtype", help="server dtype, e.g. float32 (default: SGLang's auto)")
+    la.add_argument("--max-total-tokens", type=int, default=16384, help="KV-cache tokens per server")
+    la.add_argument("--log-dir", help="where server logs go")
+    p.set_defaults(func=run_rollout)
+
+
+def run_rollout(args) -> int:
+    from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams
+    from megatron_gspo.rollout.jsonl import read_prompts, write_samples
+    from megatron_gspo.rollout.rewards import load_reward_fn, score_samples
+    from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
+
+    reward_fn = load_reward_fn(args.reward) if args.reward else None
+    tokenizer_dir = args.tokenizer or args.launch
+    encode = None
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = read_prompts(args.prompts, encode)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens,
+                              stop_token_ids=tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip()))
+    client_config = ClientConfig(concurrency_per_server=args.concurrency, request_timeout_s=args.request_timeout,
+                                 max_attempts=args.max_attempts, api_key=args.api_key)
+    with contextlib.ExitStack() as stack:
+        if args.launch:
+            server_config = ServerConfig(model_path=args.launch, python=args.sglang_python or default_sglang_python(),
+                                         device=args.device, api_key=args.api_key, dtype=args.dtype,
+                                         max_total_tokens=args.max_total_tokens, log_dir=args.log_dir)
+            print(f"starting {args.num_servers} SGLang server(s) on {args.launch} ...", file=sys.stderr)
+            servers = stack.enter_context(launch_servers(server_config, args.num_servers))
+            urls = [s.url for s in servers]
+        else:
+            urls = [u.strip() for u in args.servers.split(",") if u.strip()]
+        groups, stats = asyncio.run(RolloutClient(urls, client_config).generate(prompts, args.n, sampling))
+    samples = [s for g in groups for s in g]
+    if reward_fn is not None:
+        score_samples(samples, reward_fn, timeout_s=args.reward_timeout)
+    write_samples(args.out, samples)
+    summary = (f"{len(groups)} groups x {args.n} = {len(samples)} samples, {stats.response_tokens} tokens in "
+               f"{stats.elapsed_s:.1f} s ({stats.tokens_per_s:.0f} tok/s) -> {args.out}")
+    if reward_fn is not None:
+        summary += f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}"
+    if stats.failures:
+        summary += f"; {len(stats.failures)} failed requests retried, retired servers: {stats.retired or 'none'}"
+    print(summary)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-gspo", description="GSPO RL post-training on Megatron-Core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _rollout_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, OSError) as e:  # user-facing errors: one clear line, exit 1
+        print(f"megatron-gspo {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

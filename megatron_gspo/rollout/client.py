@@ -1,0 +1,273 @@
+"""Async rollout client: G samples per prompt from one or more SGLang servers, with failover.
+
+One `/generate` request per prompt with `n = G` (the group is the unit of work and of retry: a group
+is either returned whole by one server or sent again, so it never mixes samples of two attempts and
+no sample is lost or duplicated). Requests are spread round-robin over the live servers, at most
+`concurrency_per_server` in flight on each. A request that fails in transit (connection refused or
+reset, timeout, HTTP 5xx, an aborted sample) is retried on another server; a server that fails
+`max_server_failures` times in a row is retired for the rest of the call. Errors that a retry cannot
+fix (HTTP 4xx such as a wrong API key, a malformed response, a null log-prob) stop the rollout.
+
+The client speaks HTTP only (httpx); it runs in the trainer's environment, not SGLang's.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import httpx
+
+from megatron_gspo.types import Prompt, Sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang `sampling_params` (names as SGLang spells them)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the returned log-probs are log_softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k truncation (-1: off)."""
+    max_new_tokens: int = 256
+    """Response length cap (finish_reason "length")."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (eos always does)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response."""
+
+    def to_sglang(self, n: int) -> dict:
+        params = {"n": n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "max_new_tokens": self.max_new_tokens}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Concurrency, timeouts and retries of the rollout client."""
+
+    concurrency_per_server: int = 8
+    """Requests (groups of G sequences) in flight per server."""
+    request_timeout_s: float = 600.0
+    """Longest wait for one `/generate` answer (n = G full responses): a stalled server fails it."""
+    connect_timeout_s: float = 10.0
+    """Longest wait to open a connection."""
+    max_attempts: int = 4
+    """Tries per group over all servers before the rollout fails."""
+    max_server_failures: int = 2
+    """Consecutive failed requests after which a server is retired for the rest of the call."""
+    retry_backoff_s: float = 0.2
+    """Pause before a failed group is sent again (doubles per attempt)."""
+    api_key: str | None = None
+    """Sent as `Authorization: Bearer ...` when set."""
+
+    def __post_init__(self):
+        if self.concurrency_per_server < 1 or self.max_attempts < 1 or self.max_server_failures < 1:
+            raise ValueError("concurrency_per_server, max_attempts and max_server_failures must be >= 1")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot complete (every server failed, a group ran out of attempts, a fatal answer)."""
+
+
+class ServerResponseError(RolloutError):
+    """A server answered, but not with what the trainer needs (null log-prob, length mismatch, ...)."""
+
+
+class _RetryableError(Exception):
+    """A failure in transit: the same group may succeed on another server."""
+
+
+@dataclass
+class RolloutStats:
+    """What happened during one `generate` call."""
+
+    requests_ok: dict[str, int] = field(default_factory=dict)
+    """Successful requests per server URL."""
+    failures: list[tuple[str, int, str]] = field(default_factory=list)
+    """(server, group_id, error) for every failed attempt that was retried."""
+    retired: dict[str, str] = field(default_factory=dict)
+    """Servers retired during the call, with the last error."""
+    elapsed_s: float = 0.0
+    response_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class _Server:
+    def __init__(self, url: str, concurrency: int):
+        self.url = url.rstrip("/")
+        self.slots = asyncio.Semaphore(concurrency)
+        self.consecutive_failures = 0
+        self.retired_because: str | None = None
+
+
+class RolloutClient:
+    """`await client.generate(prompts, n=G, sampling=...)` -> one list of G Samples per prompt, in order."""
+
+    def __init__(self, urls: Sequence[str], config: ClientConfig = ClientConfig()):
+        if not urls:
+            raise ValueError("no server URLs given")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"duplicate server URLs: {list(urls)}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.config = config
+
+    def generate_sync(self, prompts: Sequence[Prompt], n: int,
+                      sampling: SamplingParams = SamplingParams()) -> tuple[list[list[Sample]], RolloutStats]:
+        return asyncio.run(self.generate(prompts, n, sampling))
+
+    async def generate(self, prompts: Sequence[Prompt], n: int,
+                       sampling: SamplingParams = SamplingParams()) -> tuple[list[list[Sample]], RolloutStats]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        ids = [p.group_id for p in prompts]
+        if len(set(ids)) != len(ids):
+            raise ValueError("group_id must be unique per prompt")
+        cfg = self.config
+        servers = [_Server(u, cfg.concurrency_per_server) for u in self.urls]
+        stats = RolloutStats(requests_ok={s.url: 0 for s in servers})
+        round_robin = itertools.cycle(range(len(servers)))
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        limits = httpx.Limits(max_connections=cfg.concurrency_per_server * len(servers),
+                              max_keepalive_connections=cfg.concurrency_per_server * len(servers))
+        start = time.monotonic()
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
+            async def run_group(prompt: Prompt) -> list[Sample]:
+                tried: set[str] = set()
+                failed_attempts = 0
+                while failed_attempts < cfg.max_attempts:
+                    server = _pick(servers, round_robin, tried)
+                    if server is None:
+                        raise RolloutError(f"all {len(servers)} servers failed; last errors: "
+                                           + "; ".join(f"{s.url}: {s.retired_because}" for s in servers))
+                    async with server.slots:
+                        if server.retired_because is not None:
+                            continue  # retired while this group waited for a slot: pick again
+                        try:
+                            samples = await self._request(http, server.url, prompt, n, sampling)
+                        except _RetryableError as e:
+                            samples = None
+                            failed_attempts += 1
+                            stats.failures.append((server.url, prompt.group_id, str(e)))
+                            tried.add(server.url)
+                            server.consecutive_failures += 1
+                            if (server.consecutive_failures >= cfg.max_server_failures
+                                    and server.retired_because is None):
+                                server.retired_because = str(e)
+                                stats.retired[server.url] = str(e)
+                    if samples is None:
+                        await asyncio.sleep(cfg.retry_backoff_s * 2 ** (failed_attempts - 1))
+                        continue
+                    server.consecutive_failures = 0
+                    stats.requests_ok[server.url] += 1
+                    return samples
+                errors = [f"{url}: {err}" for url, gid, err in stats.failures if gid == prompt.group_id]
+                raise RolloutError(f"group {prompt.group_id} failed after {cfg.max_attempts} attempts: "
+                                   + "; ".join(errors))
+
+            tasks = [asyncio.create_task(run_group(p)) for p in prompts]
+            try:
+                groups = await asyncio.gather(*tasks)  # raises the first fatal error ...
+            except BaseException:
+                for task in tasks:  # ... after which the other groups are cancelled, not left running
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        stats.elapsed_s = time.monotonic() - start
+        stats.response_tokens = sum(len(s.response_ids) for g in groups for s in g)
+        return groups, stats
+
+    async def _request(self, http: httpx.AsyncClient, url: str, prompt: Prompt, n: int,
+                       sampling: SamplingParams) -> list[Sample]:
+        payload = {"input_ids": list(prompt.prompt_ids), "sampling_params": sampling.to_sglang(n),
+                   "return_logprob": True, "logprob_start_len": -1}
+        try:
+            response = await http.post(f"{url}/generate", json=payload)
+        except httpx.TransportError as e:  # refused, reset, timeout, protocol error
+            raise _RetryableError(f"{type(e).__name__}: {e}".rstrip(": ")) from e
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _RetryableError(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code in (401, 403):
+            raise RolloutError(f"server {url} rejected the request with HTTP {response.status_code} "
+                               f"(wrong or missing API key?): {response.text[:200]}")
+        if response.status_code != 200:
+            raise RolloutError(f"server {url} answered HTTP {response.status_code} for group "
+                               f"{prompt.group_id}: {response.text[:500]}")
+        try:
+            body = response.json()
+        except ValueError as e:
+            raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
+        return parse_generate_response(body, prompt, n, url)
+
+
+def _pick(servers: list[_Server], round_robin, tried: set[str]) -> _Server | None:
+    """Next live server in round-robin order, preferring one this group has not failed on."""
+    live = [s for s in servers if s.retired_because is None]
+    if not live:
+        return None
+    fresh = [s for s in live if s.url not in tried]
+    pool = {id(s) for s in (fresh or live)}
+    while True:
+        candidate = servers[next(round_robin)]
+        if id(candidate) in pool:
+            return candidate
+
+
+def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server") -> list[Sample]:
+    """SGLang's /generate answer for one prompt with n samples -> n Samples (validated).
+
+    Raises ServerResponseError for anything the trainer cannot use, and _RetryableError for an
+    aborted sample (the server is shutting down or dropped the request: try the group elsewhere).
+    """
+    items = [body] if isinstance(body, dict) else body
+    where = f"{url}, group {prompt.group_id}"
+    if not isinstance(items, list) or len(items) != n:
+        raise ServerResponseError(f"{where}: expected {n} samples, got "
+                                  f"{len(items) if isinstance(items, list) else type(items).__name__}")
+    samples = []
+    for index, item in enumerate(items):
+        try:
+            output_ids = item["output_ids"]
+            meta = item["meta_info"]
+            finish = (meta.get("finish_reason") or {}).get("type")
+            token_logprobs = meta["output_token_logprobs"]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ServerResponseError(f"{where}, sample {index}: missing field {e} in /generate answer "
+                                      "(was return_logprob sent?)") from e
+        if finish == "abort":
+            raise _RetryableError(f"sample {index} aborted: {meta.get('finish_reason')}")
+        if finish not in ("stop", "length"):
+            raise ServerResponseError(f"{where}, sample {index}: unexpected finish_reason {finish!r}")
+        if len(token_logprobs) != len(output_ids):
+            raise ServerResponseError(f"{where}, sample {index}: {len(output_ids)} output ids but "
+                                      f"{len(token_logprobs)} log-probs")
+        logprobs = []
+        for pos, (entry, token) in enumerate(zip(token_logprobs, output_ids)):
+            logprob, entry_token = entry[0], entry[1]
+            if entry_token != token:
+                raise ServerResponseError(f"{where}, sample {index}, token {pos}: log-prob is for token "
+                                          f"{entry_token} but the output id is {token}")
+            if logprob is None or not math.isfinite(logprob):
+                raise ServerResponseError(f"{where}, sample {index}, token {pos} (id {token}): log-prob is "
+                                          f"{logprob!r} (NaN/inf logits on the server?)")
+            logprobs.append(float(logprob))
+        samples.append(Sample(group_id=prompt.group_id, sample_index=index, prompt_ids=list(prompt.prompt_ids),
+                              response_ids=list(output_ids), rollout_logprobs=logprobs, finish_reason=finish,
+                              weight_version=meta.get("weight_version"), response_text=item.get("text"),
+                              prompt=prompt.prompt, answer=prompt.answer))
+    return samples

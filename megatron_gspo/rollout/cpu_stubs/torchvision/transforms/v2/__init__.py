@@ -1,0 +1,2 @@
+"""CPU TEST SCAFFOLDING (see ../../../README.md)."""
+from torchvision.transforms.v2 import functional  # noqa: F401

@@ -1,0 +1,111 @@
+"""JSONL in and out: prompt files (one prompt per line) and sample files (one Sample per line).
+
+Every malformed line is an error naming the file and the 1-based line number; nothing is skipped
+silently (blank lines are allowed and ignored).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from megatron_gspo.types import Prompt, Sample
+
+
+class JsonlError(ValueError):
+    """A malformed line: the message starts with `file:line:`."""
+
+
+def _objects(path: str | Path) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise JsonlError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise JsonlError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _int_list(value, what: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise JsonlError(f"{where}: {what} must be a list of integers")
+    return value
+
+
+def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = None) -> list[Prompt]:
+    """Lines hold `prompt` (text, tokenized with `encode`) or `prompt_ids`, optionally `answer`.
+
+    group_id is the line's `group_id` if given, else the prompt's position in the file (0, 1, ...).
+    """
+    prompts = []
+    for lineno, obj in _objects(path):
+        where = f"{path}:{lineno}"
+        text, ids = obj.get("prompt"), obj.get("prompt_ids")
+        if ids is not None:
+            ids = _int_list(ids, "prompt_ids", where)
+        elif isinstance(text, str):
+            if encode is None:
+                raise JsonlError(f"{where}: text prompt but no tokenizer given (pass one, or use prompt_ids)")
+            ids = list(encode(text))
+        else:
+            raise JsonlError(f"{where}: needs `prompt` (a string) or `prompt_ids` (a list of integers)")
+        if not ids:
+            raise JsonlError(f"{where}: empty prompt")
+        answer = obj.get("answer")
+        if answer is not None and not isinstance(answer, (str, int, float)):
+            raise JsonlError(f"{where}: answer must be a string or a number")
+        group_id = obj.get("group_id", len(prompts))
+        if not isinstance(group_id, int) or isinstance(group_id, bool):
+            raise JsonlError(f"{where}: group_id must be an integer")
+        prompts.append(Prompt(group_id=group_id, prompt_ids=ids, prompt=text if isinstance(text, str) else None,
+                              answer=None if answer is None else str(answer)))
+    ids = [p.group_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise JsonlError(f"{path}: duplicate group_id values")
+    return prompts
+
+
+def write_samples(path: str | Path, samples: Iterable[Sample]) -> int:
+    """One JSON object per sample (every Sample field); returns the number written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for sample in samples:
+            f.write(json.dumps(asdict(sample), ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+_REQUIRED = ("group_id", "sample_index", "prompt_ids", "response_ids", "rollout_logprobs", "finish_reason")
+
+
+def read_samples(path: str | Path) -> list[Sample]:
+    known = {f.name for f in fields(Sample)}
+    samples = []
+    for lineno, obj in _objects(path):
+        where = f"{path}:{lineno}"
+        missing = [k for k in _REQUIRED if k not in obj]
+        if missing:
+            raise JsonlError(f"{where}: missing field(s) {', '.join(missing)}")
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise JsonlError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        _int_list(obj["prompt_ids"], "prompt_ids", where)
+        _int_list(obj["response_ids"], "response_ids", where)
+        logprobs = obj["rollout_logprobs"]
+        if not isinstance(logprobs, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in logprobs):
+            raise JsonlError(f"{where}: rollout_logprobs must be a list of finite numbers")
+        reward = obj.get("reward")
+        if reward is not None and (not isinstance(reward, (int, float)) or not math.isfinite(reward)):
+            raise JsonlError(f"{where}: reward must be a finite number or null")
+        try:
+            samples.append(Sample(**obj))
+        except (TypeError, ValueError) as e:
+            raise JsonlError(f"{where}: {e}") from None
+    return samples

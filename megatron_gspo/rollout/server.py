@@ -1,0 +1,250 @@
+"""Starting and stopping SGLang servers as subprocesses (or attaching to running ones).
+
+A server runs in its own process group (SGLang forks a scheduler and a detokenizer), so stopping it
+is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a port or memory.
+On CPU the server runs from the SGLang virtual environment (scripts/setup_sglang.sh) with the import
+stand-ins of `cpu_stubs/` on its PYTHONPATH; the trainer only talks HTTP to it and never imports SGLang.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_STUBS_DIR = Path(__file__).resolve().parent / "cpu_stubs"
+SGLANG_PYTHON_ENV = "MEGATRON_GSPO_SGLANG_PYTHON"
+
+
+def default_sglang_python() -> str:
+    """$MEGATRON_GSPO_SGLANG_PYTHON, else .venv-sglang/bin/python of this checkout."""
+    return os.environ.get(SGLANG_PYTHON_ENV) or str(REPO_ROOT / ".venv-sglang" / "bin" / "python")
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become ready; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to launch one SGLang server (`python -m sglang.launch_server`)."""
+
+    model_path: str
+    """Hugging Face model directory."""
+    python: str = field(default_factory=default_sglang_python)
+    """Interpreter of the environment that has SGLang installed."""
+    device: str = "cpu"
+    """"cpu" (import stand-ins + SGLANG_USE_CPU_ENGINE=1) or "cuda"."""
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds to (and the URL the client uses)."""
+    api_key: str | None = None
+    """If set, the server rejects requests without `Authorization: Bearer <api_key>`."""
+    max_total_tokens: int | None = 16384
+    """KV-cache size in tokens. Needed on CPU: without it the pool takes ~70% of RAM."""
+    max_running_requests: int | None = 64
+    """Concurrent sequences the scheduler runs."""
+    dtype: str | None = None
+    """Weights/activations dtype (`--dtype`); None: SGLang's "auto" (float32 checkpoints run in float16)."""
+    weight_version: str | None = None
+    """Initial weight version the server reports (`--weight-version`)."""
+    extra_args: tuple[str, ...] = ()
+    """Further `launch_server` arguments, verbatim."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for /health_generate before giving up."""
+    log_dir: str | None = None
+    """Where server logs go (one file per server); None: a fresh temporary folder."""
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not Path(self.model_path).is_dir():
+            raise ValueError(f"model_path {self.model_path!r} is not a directory")
+        if not Path(self.python).exists():
+            raise ValueError(f"SGLang python {self.python!r} does not exist: run scripts/setup_sglang.sh "
+                             f"or set ${SGLANG_PYTHON_ENV}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class SGLangServer:
+    """One SGLang server subprocess. Use as a context manager, or start() / wait_ready() / stop()."""
+
+    def __init__(self, config: ServerConfig, port: int | None = None, gpu_id: int | None = None):
+        self.config = config
+        self.port = port or free_port(config.host)
+        self.gpu_id = gpu_id
+        self.url = f"http://{config.host}:{self.port}"
+        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="sglang-logs-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"sglang-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+        self.ready_after_s: float | None = None
+        self._started_at = 0.0
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [c.python, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
+               "--port", str(self.port), "--device", c.device]
+        optional = {"--max-total-tokens": c.max_total_tokens, "--max-running-requests": c.max_running_requests,
+                    "--dtype": c.dtype, "--api-key": c.api_key, "--weight-version": c.weight_version}
+        for flag, value in optional.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.config.device == "cpu":
+            # CPU test scaffolding only: the import stand-ins (cpu_stubs/README.md) and the CPU engine.
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STUBS_DIR), env.get("PYTHONPATH")) if p)
+        elif self.gpu_id is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
+        return env
+
+    def start(self) -> "SGLangServer":
+        if self.process is not None:
+            raise RuntimeError(f"server {self.url} already started")
+        with open(self.log_path, "ab") as log:
+            # Own session = own process group: stop() signals SGLang's children too.
+            self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        self._started_at = time.monotonic()
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Poll /health_generate (a real one-token generation) until it answers 200; seconds since start."""
+        if self.process is None:
+            raise RuntimeError("start() the server first")
+        deadline = self._started_at + (timeout_s or self.config.startup_timeout_s)
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(f"SGLang server {self.url} exited with code {code} during start-up; "
+                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
+            if health_generate(self.url, self.config.api_key, timeout_s=10):
+                self.ready_after_s = time.monotonic() - self._started_at
+                return self.ready_after_s
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"SGLang server {self.url} not ready after "
+                                       f"{timeout_s or self.config.startup_timeout_s:.0f} s; "
+                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
+            time.sleep(1.0)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (tests: a server that dies mid-rollout)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after grace_s; returns when all are gone."""
+        if self.process is None:
+            return
+        pgid = self.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The launcher may be gone while a child still runs: wait on the group, not the PID.
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        self.process.wait()
+        deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> "SGLangServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a live (not zombie) process of group pgid exists (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # Fields after the ")" that closes the command name: state ppid pgrp ...
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def health_generate(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> bool:
+    """True when GET /health_generate answers 200 (SGLang runs a one-token generation for it)."""
+    req = urllib.request.Request(f"{url}/health_generate", headers=auth_headers(api_key))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def get_json(url: str, path: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict:
+    req = urllib.request.Request(f"{url}{path}", headers=auth_headers(api_key))
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def launch_servers(config: ServerConfig, num_servers: int = 1,
+                   gpu_ids: list[int] | None = None) -> Iterator[list[SGLangServer]]:
+    """Start `num_servers` servers in parallel, wait until all are ready, stop all on exit.
+
+    If any server fails to start, all are stopped and the error names the server and its log tail.
+    """
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    servers = [SGLangServer(config, gpu_id=None if gpu_ids is None else gpu_ids[i]) for i in range(num_servers)]
+    try:
+        for server in servers:
+            server.start()
+        with ThreadPoolExecutor(num_servers) as pool:
+            for future in [pool.submit(s.wait_ready) for s in servers]:
+                future.result()
+        yield servers
+    finally:
+        with ThreadPoolExecutor(num_servers) as pool:
+            list(pool.map(SGLangServer.stop, servers))

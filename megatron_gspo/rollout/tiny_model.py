@@ -1,0 +1,98 @@
+"""A tiny dense Qwen3 and its tokenizer, made locally (no model hub) for CPU rollout tests and demos.
+
+The model is randomly initialised from a fixed seed; the tokenizer is a byte-level BPE trained on a
+synthetic arithmetic corpus ("12+7=19"). Both are written as a Hugging Face model directory that
+SGLang (`--model-path DIR`) and transformers (`AutoModelForCausalLM`, `AutoTokenizer`) load.
+Dense, not MoE: SGLang's CPU backend gives NaN logits for Qwen3-MoE (../shared/PLATFORM.md).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyQwen3Spec:
+    """Size and seed of the tiny model; the defaults are the ones the tests use."""
+
+    vocab_size: int = 512
+    """Tokenizer and embedding size: 256 byte symbols + 1 special token + BPE merges."""
+    hidden_size: int = 64
+    """`hidden_size`."""
+    num_layers: int = 2
+    """`num_hidden_layers`."""
+    num_attention_heads: int = 4
+    """`num_attention_heads`."""
+    num_key_value_heads: int = 2
+    """`num_key_value_heads` (GQA)."""
+    head_dim: int = 16
+    """`head_dim`."""
+    intermediate_size: int = 128
+    """`intermediate_size` of the SwiGLU MLP."""
+    max_position_embeddings: int = 2048
+    """`max_position_embeddings`; also SGLang's default context length for this model."""
+    initializer_range: float = 0.2
+    """Init std. Larger than Qwen3's 0.02 so that next-token distributions are peaked: greedy
+    decoding then does not flip between two near-tied tokens on float rounding differences."""
+    tie_word_embeddings: bool = False
+    """`tie_word_embeddings`."""
+    seed: int = 1234
+    """Seed of both the weight init and the synthetic tokenizer corpus."""
+
+
+def arithmetic_corpus(num_lines: int, seed: int) -> list[str]:
+    """Lines like "12+7=19": the synthetic text the tokenizer is trained on (and demo prompts)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice("+-*")
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        lines.append(f"{a}{op}{b}={value}")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int):
+    """Byte-level BPE (`tokenizers`) with one special token, eos = pad = <|endoftext|> (id 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(arithmetic_corpus(20_000, seed), trainer=trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > vocab_size={vocab_size}")
+    return tokenizer
+
+
+def make_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
+    """Write config.json, model.safetensors (float32), tokenizer.json and tokenizer_config.json.
+
+    The same spec gives bit-identical weights and tokenizer on every call.
+    """
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
+                                   eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    eos_id = fast.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
+        tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32")
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out

@@ -1,0 +1,253 @@
+"""Pushing new weights from the trainer into SGLang servers: from disk, by tensor, by broadcast.
+
+Input is an iterable of (Hugging Face name, full tensor), e.g. `convert.export.iter_hf_tensors(...)`
+(one tensor per expert, q/k/v and gate/up separate: SGLang fuses them itself while loading). Every
+server is updated directly (sglang_router does not forward these endpoints), each update is wrapped
+in /begin_weight_update ... /end_weight_update, sets `weight_version`, and the version each server
+reports afterwards is checked.
+
+- disk: write an HF checkpoint folder the servers can read (shared file system), then
+  /update_weights_from_disk. Simplest; costs a write and a read of the whole model.
+- tensor: /update_weights_from_tensor with a ForkingPickler dump of [(name, tensor)], base64 in
+  JSON. Meant for colocated servers: on CUDA the pickle carries IPC handles, on CPU shared-memory
+  files (`file_system` sharing strategy; the default file-descriptor strategy crashes the server).
+- broadcast: one gloo (CPU) / NCCL (GPU) group of the trainer (rank 0) and every server rank;
+  per bucket, /update_weights_from_distributed announces names/dtypes/shapes and the trainer
+  broadcasts the tensors in that order.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import httpx
+import torch
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class WeightSyncError(RuntimeError):
+    """A server refused or failed an update; the message names the server and endpoint."""
+
+
+class ServerAdmin:
+    """Synchronous calls to one server's control endpoints."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+
+    def post(self, path: str, payload: dict | None = None) -> dict:
+        try:
+            response = self._http.post(f"{self.url}{path}", json=payload or {})
+        except httpx.TransportError as e:
+            raise WeightSyncError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"message": response.text[:500]}
+        if response.status_code != 200 or body.get("success") is False:
+            raise WeightSyncError(f"{self.url}{path}: HTTP {response.status_code}: {body.get('message', body)}")
+        return body
+
+    def weight_version(self) -> str:
+        response = self._http.get(f"{self.url}/get_model_info")
+        response.raise_for_status()
+        return response.json()["weight_version"]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _admins(urls: list[str], api_key: str | None) -> list[ServerAdmin]:
+    if not urls:
+        raise ValueError("no server URLs given")
+    return [ServerAdmin(u, api_key) for u in urls]
+
+
+def _on_all(admins: list[ServerAdmin], fn) -> list:
+    """Run fn(admin) for every server concurrently; re-raise the first failure."""
+    with ThreadPoolExecutor(len(admins)) as pool:
+        return [f.result() for f in [pool.submit(fn, a) for a in admins]]
+
+
+def _update(admins: list[ServerAdmin], version: str, body) -> None:
+    """begin -> body(admin) on every server -> end, then check every server reports `version`."""
+    _on_all(admins, lambda a: a.post("/begin_weight_update"))
+    try:
+        body()
+    finally:
+        _on_all(admins, lambda a: a.post("/end_weight_update"))
+    wrong = {a.url: v for a in admins if (v := a.weight_version()) != version}
+    if wrong:
+        raise WeightSyncError(f"after the update to weight_version {version!r} servers report {wrong}")
+
+
+def buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of about bucket_bytes (a larger tensor forms its own bucket)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# ---------------------------------------------------------------------------------------- disk
+
+def write_hf_checkpoint(named_tensors: NamedTensors, out_dir: str | Path, config_dir: str | Path,
+                        shard_bytes: int = 2 * 2**30) -> Path:
+    """Save tensors as safetensors shards (+ index) and copy config/tokenizer files from config_dir."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    shards = list(buckets(named_tensors, shard_bytes))
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: t.detach().contiguous().cpu() for name, t in shard}, out / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name, _ in shard})
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for src in Path(config_dir).iterdir():
+        if src.is_file() and not src.name.startswith("model") and src.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copy2(src, out / src.name)
+    return out
+
+
+def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, api_key: str | None = None) -> None:
+    """Every server loads the HF checkpoint at checkpoint_dir (a path the servers can read)."""
+    admins = _admins(urls, api_key)
+    payload = {"model_path": str(checkpoint_dir), "weight_version": version, "flush_cache": True}
+    _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)))
+
+
+# -------------------------------------------------------------------------------------- tensor
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """base64 of a ForkingPickler dump, what /update_weights_from_tensor unpickles per TP rank."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+    if not any(t.is_cuda for _, t in named):
+        # CPU tensors travel as shared-memory files; the default (file descriptors) crashes the server.
+        mp.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump([(name, t.detach().contiguous()) for name, t in named])
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, api_key: str | None = None,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1) -> None:
+    """Colocated update: tensors are shared with each server process, not copied over HTTP."""
+    admins = _admins(urls, api_key)
+
+    def body():
+        for bucket in buckets(named_tensors, bucket_bytes):
+            payload = {"serialized_named_tensors": [serialize_named_tensors(bucket)] * tp_size,
+                       "weight_version": version, "flush_cache": True}
+            _on_all(admins, lambda a: a.post("/update_weights_from_tensor", payload))
+    _update(admins, version, body)
+
+
+# ----------------------------------------------------------------------------------- broadcast
+
+def _join_group(init_method: str, world_size: int, group_name: str, backend: str, timeout: timedelta):
+    """Rank 0 of the group SGLang's servers create in /init_weights_update_group.
+
+    Mirrors the server side (sglang/srt/utils/common.py:init_custom_process_group): a group outside
+    torch's default world, so it never interferes with Megatron's process groups.
+    """
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+    store, rank, world_size = next(rendezvous(init_method, 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class BroadcastSync:
+    """Weight updates by broadcast from the trainer (rank 0) to every server.
+
+    connect() once (every server joins one group; server i's ranks start at 1 + the TP sizes of the
+    servers before it), then sync() per update, close() at the end.
+    """
+
+    def __init__(self, urls: list[str], api_key: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str = "gloo", tp_sizes: list[int] | None = None,
+                 group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0):
+        from megatron_gspo.rollout.server import free_port
+        self.admins = _admins(urls, api_key)
+        self.master_address = master_address
+        self.master_port = master_port or free_port(master_address)
+        self.backend = backend
+        self.tp_sizes = tp_sizes or [1] * len(urls)
+        self.group_name = group_name
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = None
+
+    def connect(self) -> None:
+        world_size = 1 + sum(self.tp_sizes)
+        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.admins))]
+        payloads = [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
+                     "world_size": world_size, "group_name": self.group_name, "backend": self.backend}
+                    for off in offsets]
+        # The servers block in /init_weights_update_group until rank 0 (us) joins: call them from threads.
+        with ThreadPoolExecutor(len(self.admins)) as pool:
+            futures = [pool.submit(a.post, "/init_weights_update_group", p) for a, p in zip(self.admins, payloads)]
+            try:
+                self.group = _join_group(f"tcp://{self.master_address}:{self.master_port}", world_size,
+                                         self.group_name, self.backend, self.timeout)
+            finally:
+                for f in futures:
+                    f.result()
+
+    def sync(self, named_tensors: NamedTensors, version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if self.group is None:
+            raise RuntimeError("call connect() first")
+
+        def body():
+            for bucket in buckets(named_tensors, bucket_bytes):
+                payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                           "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                           "weight_version": version, "flush_cache": True}
+                errors: list[BaseException] = []
+
+                def announce():
+                    try:
+                        _on_all(self.admins, lambda a: a.post("/update_weights_from_distributed", payload))
+                    except BaseException as e:  # re-raised below, after the broadcasts
+                        errors.append(e)
+                thread = threading.Thread(target=announce)
+                thread.start()
+                for _, tensor in bucket:  # in the announced order
+                    self.group.broadcast(tensor.detach().contiguous(), 0).wait()
+                thread.join()
+                if errors:
+                    raise errors[0]
+        _update(self.admins, version, body)
+
+    def close(self) -> None:
+        if self.group is not None:
+            _on_all(self.admins, lambda a: a.post("/destroy_weights_update_group", {"group_name": self.group_name}))
+            self.group = None
+        for admin in self.admins:
+            admin.close()

@@ -1,0 +1,45 @@
+"""One session-scoped pair of real SGLang servers (CPU, float32) on a tiny Qwen3 made here.
+
+Needs .venv-sglang (scripts/setup_sglang.sh). The failover test kills the second server, so it runs
+last (see pytest_collection_modifyitems).
+"""
+import pytest
+
+from megatron_gspo.rollout.server import ServerConfig, launch_servers
+from megatron_gspo.rollout.tiny_model import make_tiny_qwen3
+from sglang_test_utils import API_KEY
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("kills_server") is not None)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kills_server: stops one of the shared SGLang servers (runs last)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_model_dir, tmp_path_factory):
+    config = ServerConfig(model_path=str(tiny_model_dir), dtype="float32", api_key=API_KEY,
+                          log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=240)
+    with launch_servers(config, num_servers=2) as servers:
+        print(f"\nSGLang servers ready after {[round(s.ready_after_s, 1) for s in servers]} s")
+        yield servers
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

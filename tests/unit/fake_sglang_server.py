@@ -1,0 +1,96 @@
+"""A tiny fake of SGLang's /generate for client tests (asyncio streams, no dependencies).
+
+It answers like SGLang 0.5.23 (flat list of n items, output_token_logprobs [[logprob, id, null], ...])
+and can misbehave on purpose: die after k requests, stall, return null log-probs, abort, demand a key.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+
+class FakeSGLang:
+    def __init__(self, *, name: str = "fake", die_after: int | None = None, stall: bool = False,
+                 delay_s: float = 0.01, null_logprob: bool = False, short_logprobs: bool = False,
+                 abort: bool = False, api_key: str | None = None, response_len: int = 3):
+        self.name = name
+        self.die_after = die_after
+        self.stall = stall
+        self.delay_s = delay_s
+        self.null_logprob = null_logprob
+        self.short_logprobs = short_logprobs
+        self.abort = abort
+        self.api_key = api_key
+        self.response_len = response_len
+        self.received: list[dict] = []  # every /generate payload that arrived
+        self.answered = 0  # answers delivered
+        self.dead = False
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.url = ""
+
+    async def __aenter__(self) -> "FakeSGLang":
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop listening and drop every open connection without an answer (a crashed server)."""
+        self.dead = True
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while not self.dead:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                status, answer = await self._answer(lines[0], headers, body)
+                if self.dead:
+                    return
+                data = json.dumps(answer).encode()
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                await writer.drain()
+                if status == 200:
+                    self.answered += 1  # delivered, not just computed
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()
+
+    async def _answer(self, request_line: str, headers: dict, body: bytes):
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, {"error": "Unauthorized"}
+        if not request_line.startswith("POST /generate"):
+            return 404, {"error": "not found"}
+        payload = json.loads(body)
+        self.received.append(payload)
+        if self.die_after is not None and len(self.received) > self.die_after:
+            self.kill()
+            return 500, {}
+        if self.stall:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(self.delay_s)
+        n = payload["sampling_params"]["n"]
+        first = payload["input_ids"][0]
+        items = []
+        for i in range(n):
+            ids = [first * 100 + i * 10 + t for t in range(self.response_len)]
+            logprobs = [[None if self.null_logprob and t == 1 else -0.5, tok, None] for t, tok in enumerate(ids)]
+            if self.short_logprobs:
+                logprobs = logprobs[:-1]
+            finish = {"type": "abort", "message": "shutting down"} if self.abort else {"type": "length", "length": 3}
+            items.append({"text": f"{self.name}:{i}", "output_ids": ids,
+                          "meta_info": {"id": f"{first}-{i}", "finish_reason": finish, "weight_version": self.name,
+                                        "output_token_logprobs": logprobs}})
+        return 200, items

@@ -1,0 +1,133 @@
+"""Rollout client against fake SGLang servers: grouping, round-robin, failover, clear errors."""
+import asyncio
+import pytest
+
+from fake_sglang_server import FakeSGLang
+from megatron_gspo.rollout.client import (ClientConfig, RolloutClient, RolloutError, SamplingParams,
+                                          ServerResponseError)
+from megatron_gspo.types import Prompt
+
+G = 4
+FAST = dict(retry_backoff_s=0.01, request_timeout_s=5.0, connect_timeout_s=2.0)
+
+
+def prompts(k: int) -> list[Prompt]:
+    return [Prompt(group_id=i, prompt_ids=[i + 1, 7]) for i in range(k)]
+
+
+def assert_complete(groups, k: int):
+    """Exactly G samples per prompt, in prompt order, none lost or duplicated."""
+    assert [g[0].group_id for g in groups] == list(range(k))
+    for gid, group in enumerate(groups):
+        assert [s.sample_index for s in group] == list(range(G))
+        assert all(s.group_id == gid for s in group)
+        # The fake encodes the prompt's first id into every output id: the group was not mixed up.
+        assert all(s.response_ids[0] // 100 == gid + 1 for s in group)
+        assert len({s.weight_version for s in group}) == 1  # a group comes whole from one server
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_groups_are_spread_round_robin_and_complete():
+    async def main():
+        async with FakeSGLang(name="a") as a, FakeSGLang(name="b") as b:
+            client = RolloutClient([a.url, b.url], ClientConfig(concurrency_per_server=3, **FAST))
+            groups, stats = await client.generate(prompts(10), G, SamplingParams(max_new_tokens=3, top_k=5))
+            return groups, stats, a, b
+    groups, stats, a, b = run(main())
+    assert_complete(groups, 10)
+    assert (a.answered, b.answered) == (5, 5)
+    sent = a.received[0]
+    assert sent["sampling_params"] == {"n": G, "temperature": 1.0, "top_p": 1.0, "top_k": 5, "max_new_tokens": 3}
+    assert sent["return_logprob"] is True and sent["logprob_start_len"] == -1
+    assert stats.response_tokens == 10 * G * 3 and not stats.failures
+    assert groups[0][0].rollout_logprobs == [-0.5, -0.5, -0.5]
+
+
+def test_server_dying_mid_batch_loses_and_duplicates_nothing():
+    async def main():
+        async with FakeSGLang(name="a", die_after=3, delay_s=0.02) as a, FakeSGLang(name="b", delay_s=0.02) as b:
+            client = RolloutClient([a.url, b.url], ClientConfig(concurrency_per_server=2, **FAST))
+            groups, stats = await client.generate(prompts(16), G)
+            return groups, stats, a, b
+    groups, stats, a, b = run(main())
+    assert_complete(groups, 16)
+    # a answered at most 3 requests before it died (one more may have been cut off mid-answer);
+    # every group was delivered exactly once over both servers.
+    assert a.answered <= 3 and a.answered + b.answered == 16
+    assert a.url in stats.retired
+    assert sum(stats.requests_ok.values()) == 16
+    assert all(url == a.url for url, _, _ in stats.failures)
+
+
+def test_stalled_server_times_out_and_its_groups_go_elsewhere():
+    async def main():
+        async with FakeSGLang(name="a", stall=True) as a, FakeSGLang(name="b") as b:
+            config = ClientConfig(concurrency_per_server=2, retry_backoff_s=0.01, request_timeout_s=0.5,
+                                  max_server_failures=1)
+            groups, stats = await RolloutClient([a.url, b.url], config).generate(prompts(6), G)
+            return groups, stats, b
+    groups, stats, b = run(main())
+    assert_complete(groups, 6)
+    assert b.answered == 6
+    assert any("Timeout" in err for _, _, err in stats.failures)
+
+
+def test_aborted_samples_are_retried_on_another_server():
+    async def main():
+        async with FakeSGLang(name="a", abort=True) as a, FakeSGLang(name="b") as b:
+            return await RolloutClient([a.url, b.url], ClientConfig(**FAST)).generate(prompts(4), G)
+    groups, stats = run(main())
+    assert_complete(groups, 4)
+    assert all(s.weight_version == "b" for g in groups for s in g)
+
+
+def test_unreachable_servers_give_a_clear_error():
+    async def main():
+        async with FakeSGLang() as a, FakeSGLang() as b:
+            urls = [a.url, b.url]
+        # both closed now: connection refused
+        await RolloutClient(urls, ClientConfig(**FAST)).generate(prompts(3), G)
+    with pytest.raises(RolloutError, match="all 2 servers failed") as info:
+        run(main())
+    assert "ConnectError" in str(info.value)
+
+
+def test_wrong_api_key_fails_fast_without_retries():
+    async def main():
+        async with FakeSGLang(api_key="secret") as a:
+            client = RolloutClient([a.url], ClientConfig(api_key="wrong", **FAST))
+            with pytest.raises(RolloutError, match="HTTP 401.*API key"):
+                await client.generate(prompts(3), G)
+            ok, _ = await RolloutClient([a.url], ClientConfig(api_key="secret", **FAST)).generate(prompts(3), G)
+            return ok
+    assert_complete(run(main()), 3)
+
+
+@pytest.mark.parametrize("fault,message", [("null_logprob", "log-prob is None"),
+                                           ("short_logprobs", "3 output ids but 2 log-probs")])
+def test_bad_logprobs_are_errors_not_nan(fault, message):
+    async def main():
+        async with FakeSGLang(**{fault: True}) as a:
+            await RolloutClient([a.url], ClientConfig(**FAST)).generate(prompts(2), G)
+    with pytest.raises(ServerResponseError, match=message):
+        run(main())
+
+
+def test_group_out_of_attempts_names_the_group_and_errors():
+    async def main():
+        async with FakeSGLang(name="a", abort=True) as a:
+            config = ClientConfig(max_attempts=2, max_server_failures=10, **FAST)
+            await RolloutClient([a.url], config).generate(prompts(1), G)
+    with pytest.raises(RolloutError, match="group 0 failed after 2 attempts.*aborted"):
+        run(main())
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="duplicate"):
+        RolloutClient(["http://x:1", "http://x:1"])
+    with pytest.raises(ValueError, match="unique"):
+        asyncio.run(RolloutClient(["http://x:1"]).generate([Prompt(0, [1]), Prompt(0, [2])], G))
+    assert SamplingParams(stop_token_ids=(5,)).to_sglang(2)["stop_token_ids"] == [5]

@@ -1,0 +1,78 @@
+"""Server management without SGLang: start-up failures carry the log tail; stop leaves no process."""
+import os
+import stat
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_gspo.rollout.server import CPU_STUBS_DIR, ServerConfig, ServerStartError, SGLangServer, _group_alive
+
+
+def fake_python(tmp_path, body: str) -> str:
+    """An executable standing in for the SGLang interpreter."""
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_command_and_cpu_environment(tmp_path):
+    config = ServerConfig(model_path=str(tmp_path), python=sys.executable, api_key="k", dtype="float32",
+                          log_dir=str(tmp_path))
+    server = SGLangServer(config, port=12345)
+    cmd = server.command()
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    for flag, value in [("--port", "12345"), ("--device", "cpu"), ("--max-total-tokens", "16384"),
+                        ("--api-key", "k"), ("--dtype", "float32"), ("--host", "127.0.0.1")]:
+        assert cmd[cmd.index(flag) + 1] == value
+    env = server.environment()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("cpu_stubs")
+
+
+def test_server_that_exits_reports_its_log_tail(tmp_path):
+    python = fake_python(tmp_path, 'echo "RuntimeError: model is broken"; exit 3\n')
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server.start()
+    with pytest.raises(ServerStartError, match=r"exited with code 3(.|\n)*model is broken"):
+        server.wait_ready(timeout_s=20)
+    server.stop()
+
+
+def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
+    # A launcher that ignores SIGTERM and leaves a child behind: stop() must still clean up both.
+    python = fake_python(tmp_path, "trap '' TERM\nsleep 300 &\necho started\nwait\n")
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server.start()
+    with pytest.raises(ServerStartError, match=r"not ready after 2 s(.|\n)*started"):
+        server.wait_ready(timeout_s=2)
+    pgid = server.process.pid
+    assert _group_alive(pgid)
+    start = time.monotonic()
+    server.stop(grace_s=1.0)
+    assert not _group_alive(pgid)
+    assert time.monotonic() - start < 8
+
+
+def test_missing_sglang_python_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="setup_sglang.sh"):
+        ServerConfig(model_path=str(tmp_path), python=str(tmp_path / "nope"))
+
+
+def test_cpu_stub_assign_req_to_token_pool(monkeypatch):
+    """The one stand-in written in plain torch: request i's KV slots are the i-th run of out_cache_loc."""
+    monkeypatch.syspath_prepend(str(CPU_STUBS_DIR))
+    for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import sgl_kernel
+    req_to_token = torch.zeros(3, 6, dtype=torch.int32)
+    # request in pool row 2 gets slots [10, 11] at positions 1..2; row 0 gets [20, 21, 22] at 3..5
+    sgl_kernel.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 3]),
+                                            torch.tensor([3, 6]), torch.tensor([10, 11, 20, 21, 22]), 6)
+    assert req_to_token.tolist() == [[0, 0, 0, 20, 21, 22], [0] * 6, [0, 10, 11, 0, 0, 0]]
+    with pytest.raises(NotImplementedError, match="CPU import stand-in"):
+        sgl_kernel.verify_tree_greedy_cpu()
+    for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
+        del sys.modules[name]
