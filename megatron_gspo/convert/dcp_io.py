@@ -1,0 +1,175 @@
+"""Megatron-Core `torch_dist` checkpoints written and read one tensor at a time, in one process.
+
+What `dist_checkpointing.save` (megatron-core 0.16) writes, and what its `load` needs:
+  metadata.json   {"sharded_backend": "torch_dist", ...}: which strategies read the directory;
+  common.pt       torch.save of the non-sharded state (here {"checkpoint_version", "iteration"});
+  .metadata       a pickled torch.distributed.checkpoint `Metadata`: per key the global shape, dtype
+                  and stored chunks (offsets, sizes), and where each chunk's bytes are;
+  __R_F.distcp    the chunks' bytes (each tensor a torch.save record).
+`dist_checkpointing.save` gathers the whole state dict first; a model that does not fit in memory
+cannot go through it. `StreamingDcpWriter` instead drives torch's own `FileSystemWriter.write_data`
+(so the data files are what DCP writes) with one plan per group of tensors, each tensor produced
+only when the writer asks for it, and writes `.metadata` once at the end from the chunks it
+recorded (torch's private `_StoragePrefix` names the data files; `_create_file_view` reads one). No process group is needed. `DcpRegionReader` reads any region of a key
+(e.g. one layer of a stacked key) from whatever chunks it was saved in, with torch's reader.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _create_file_view, _StoragePrefix
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import TensorWriteData
+
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+# Megatron-LM's checkpoint_version for the current QKV layout; iteration 0 for a converted model.
+COMMON_STATE = {"checkpoint_version": 3.0, "iteration": 0}
+
+
+class StreamingDcpWriter:
+    """Writes a torch_dist checkpoint in groups of tensors, each group one data file.
+
+    A tensor is produced (its `produce()` called) only when its bytes are written; torch's writer
+    keeps the produced tensors of a file until the file is complete (filesystem.py,
+    `_write_files_from_queue`), so a group's size bounds the memory.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=False)
+        self.writer = FileSystemWriter(self.directory, single_file_per_rank=True, thread_count=1, sync_files=True)
+        self.state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self.results = []
+        self.groups = 0
+        self.bytes_written = 0
+
+    def write_group(self, tensors: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                              torch.dtype, Callable[[], torch.Tensor]]],
+                    objects: list[tuple[str, object]] = ()) -> None:
+        """Write one data file.
+
+        tensors: (key, global_shape, chunk_offsets, chunk_sizes, dtype, produce) each; `produce()`
+            returns the chunk (shape chunk_sizes, dtype dtype) when its bytes are written.
+        objects: (key, python object) each, stored as torch.save bytes (Megatron's ShardedObject).
+        """
+        items, producers = [], {}
+        for key, global_shape, offsets, sizes, dtype, produce in tensors:
+            md = self.state_dict_metadata.setdefault(
+                key, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_shape), []))
+            if md.size != torch.Size(global_shape) or md.properties.dtype != dtype:
+                raise ValueError(f"{key}: chunk of {global_shape} {dtype} does not match "
+                                 f"{tuple(md.size)} {md.properties.dtype}")
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            md.chunks.append(chunk)
+            index = MetadataIndex(key, torch.Size(offsets))
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=chunk, properties=md.properties, size=md.size)))
+            producers[index] = (produce, tuple(sizes), dtype)
+        for key, obj in objects:
+            self.state_dict_metadata[key] = BytesStorageMetadata()
+            index = MetadataIndex(key)
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+            producers[index] = (obj, None, None)
+        plan = SavePlan(items, storage_data=_StoragePrefix(f"__{self.groups}_"))
+        self.groups += 1
+        results = self.writer.write_data(plan, _Producer(producers)).wait()
+        self.bytes_written += sum(r.size_in_bytes for r in results)
+        self.results.append(results)
+
+    def finish(self, common_state: dict = COMMON_STATE) -> None:
+        """`.metadata`, common.pt and metadata.json; call once, after every group is written."""
+        self.writer.set_up_storage_writer(True)
+        self.writer.finish(Metadata(self.state_dict_metadata), self.results)
+        torch.save(common_state, self.directory / "common.pt")
+        with open(self.directory / "metadata.json", "w") as f:
+            json.dump(METADATA_JSON, f)
+
+
+class _Producer:
+    """The part of a SavePlanner that `FileSystemWriter.write_data` calls: data for a write item."""
+
+    def __init__(self, producers):
+        self.producers = producers
+
+    def resolve_data(self, write_item: WriteItem):
+        produce, sizes, dtype = self.producers.pop(write_item.index)
+        if sizes is None:
+            buffer = io.BytesIO()
+            torch.save(produce, buffer)
+            return buffer
+        tensor = produce()
+        if tuple(tensor.shape) != sizes or tensor.dtype != dtype:
+            raise ValueError(f"{write_item.index.fqn}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"expected {sizes} {dtype}")
+        # torch.save writes a view's whole storage: give it a tensor of its own.
+        return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
+class DcpRegionReader:
+    """Reads regions of the tensors of a torch_dist checkpoint directory, whatever their chunking."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        if not (self.directory / ".metadata").is_file():
+            raise FileNotFoundError(f"{self.directory}: no .metadata (not a torch_dist checkpoint)")
+        self.reader = FileSystemReader(self.directory)
+        self.metadata = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.metadata, True)
+
+    def tensor_metadata(self, key: str) -> TensorStorageMetadata:
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"{self.directory}: tensor {key!r} is not in the checkpoint")
+        return md
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The region [offsets, offsets + sizes) of `key`, in its stored dtype."""
+        md = self.tensor_metadata(key)
+        wanted = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        read_items = create_read_items_for_chunk_list(key, md, [wanted])
+        covered = sum(torch.Size(r.lengths).numel() for r in read_items)
+        if covered != wanted.sizes.numel():
+            raise ValueError(f"{self.directory}: {key} region {offsets}+{sizes} is only partly stored "
+                             f"({covered} of {wanted.sizes.numel()} elements)")
+        if len(read_items) == 1 and self._is_whole_chunk(read_items[0], md):
+            return self._load_chunk(read_items[0]).view(sizes)
+        out = torch.empty(sizes, dtype=md.properties.dtype)
+        self.reader.read_data(LoadPlan(read_items), _Receiver(out)).wait()
+        return out
+
+    def _is_whole_chunk(self, read_item, md: TensorStorageMetadata) -> bool:
+        stored = next(c for c in md.chunks if c.offsets == read_item.storage_index.offset)
+        return (all(o == 0 for o in read_item.storage_offsets) and tuple(read_item.lengths) == tuple(stored.sizes)
+                and self.reader.storage_data[read_item.storage_index].transform_descriptors is None)
+
+    def _load_chunk(self, read_item) -> torch.Tensor:
+        """A stored chunk loaded as it is: what `FileSystemReader.read_data` does, without copying
+        it into a destination tensor (one pass over the bytes fewer)."""
+        info = self.reader.storage_data[read_item.storage_index]
+        with open(self.directory / info.relative_path, "rb") as f:
+            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+
+
+class _Receiver:
+    """The part of a LoadPlanner that `FileSystemReader.read_data` calls: where a read item goes."""
+
+    def __init__(self, out: torch.Tensor):
+        self.out = out
+
+    def resolve_tensor(self, read_item):
+        view = self.out
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass

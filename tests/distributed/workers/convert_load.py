@@ -1,0 +1,133 @@
+"""Converted HF checkpoints loaded into this project's Megatron model, layout after layout, in one launch.
+
+usage: torchrun --nproc-per-node N convert_load.py WORKDIR KIND:LAYOUT [KIND:LAYOUT | --resave | parity=KIND:LAYOUT ...]
+
+WORKDIR/KIND holds `hf/` (transformers' save_pretrained), `mcore/` (our conversion of it) and
+`ref.pt` (tokens and transformers' float32 per-token log-probs). LAYOUT is "dp" (TP1, every rank a
+full model) or parts joined by "x" among tp2, pp2, ep2. For each pair, on every rank:
+  1. build the model (`build_model`, local spec on CPU) and load the converted checkpoint into it
+     (`load_weights`: `dist_checkpointing.load` of exactly the keys the model asks for);
+  2. per-token log-probs (the training forward step: `vocab_parallel_logprobs` on vocab-sharded
+     logits, last pipeline stage) match transformers' within 1e-4;
+  3. `iter_hf_tensors` yields every HF tensor of the checkpoint, bitwise equal, on every rank.
+parity=KIND:LAYOUT runs `check_parity` (the library behind tools/check_hf_mcore_parity.py).
+--resave (with the model and layout of the pair before it): Megatron saves the loaded model itself
+(sharded in that layout, vocabulary padded), and rank 0 exports it with `convert_mcore_to_hf`:
+every tensor must equal the original HF checkpoint bitwise.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.convert import convert_mcore_to_hf, read_hf_config
+from megatron_gspo.convert.export import iter_hf_tensors
+from megatron_gspo.convert.load import load_weights
+from megatron_gspo.convert.safetensors_io import SafetensorsReader
+from megatron_gspo.model.gpt import build_model, transformer_config
+from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.training.forward_step import Groups, LossSettings, logprobs_forward_step
+from megatron_gspo.types import MicroBatch
+
+TOLERANCE = 1e-4
+
+
+def parse_layout(text: str) -> Layout:
+    if text == "dp":
+        return Layout()
+    sizes = {part[:2]: int(part[2:]) for part in text.split("x")}
+    return Layout(**sizes)
+
+
+def check(workdir: Path, kind: str, layout_name: str):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    layout = parse_layout(layout_name)
+    shape = read_hf_config(workdir / kind / "hf")
+    init_megatron(layout)
+    where = f"[{kind}:{layout_name} rank {dist.get_rank()}]"
+    model = build_model(shape, transformer_config(shape, layout), wrap_ddp=False)
+    (module,) = model
+    load_weights(model, workdir / kind / "mcore")
+    module.eval()
+
+    ref = torch.load(workdir / kind / "ref.pt")
+    tokens = ref["tokens"]
+    B, S = tokens.shape
+    batch = MicroBatch(tokens, torch.roll(tokens, -1, dims=1), torch.ones(B, S), torch.zeros(B, S), torch.zeros(B))
+    settings = LossSettings(vocab_size=shape.vocab_size)
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=logprobs_forward_step(settings, groups=Groups.from_parallel_state()),
+            data_iterator=iter([batch]), model=model, num_microbatches=1, seq_length=S,
+            micro_batch_size=B, forward_only=True)
+    report = ""
+    if ps.is_pipeline_last_stage():
+        logprobs = outputs[0]["logprobs"][:, :-1]
+        diff = (logprobs - ref["logprobs"]).abs()
+        agree = (logprobs.argmax(-1) == ref["logprobs"].argmax(-1)).float().mean().item()
+        assert diff.max() <= TOLERANCE, f"{where} log-probs differ from transformers by {diff.max():.2e}"
+        report = f" logprob max diff {diff.max():.2e} mean {diff.mean():.2e} over {diff.numel()} tokens"
+
+    hf = SafetensorsReader(workdir / kind / "hf")
+    seen = set()
+    for name, tensor in iter_hf_tensors(model, shape):
+        expected = hf.read(name)
+        assert tensor.dtype == expected.dtype and tensor.shape == expected.shape and torch.equal(tensor, expected), \
+            f"{where} exported {name} differs from the HF checkpoint"
+        seen.add(name)
+    assert seen == set(hf.tensors), f"{where} exported names differ: {sorted(seen ^ set(hf.tensors))[:5]}"
+    print(f"OK {kind}:{layout_name} rank {dist.get_rank()} load + export of {len(seen)} tensors bitwise{report}")
+    return module
+
+
+def resave_and_export(workdir: Path, kind: str, module, layout_name: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    out = workdir / kind / f"resaved_{layout_name}"
+    if dist.get_rank() == 0:
+        out.mkdir()
+    dist.barrier()
+    dist_checkpointing.save({"model": module.sharded_state_dict()}, str(out))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        exported = workdir / kind / f"exported_{layout_name}"
+        convert_mcore_to_hf(out, workdir / kind / "hf", exported, progress=False)
+        original, back = SafetensorsReader(workdir / kind / "hf"), SafetensorsReader(exported)
+        assert set(original.tensors) == set(back.tensors)
+        for name in original.tensors:
+            assert torch.equal(original.read(name), back.read(name)), f"re-exported {name} differs"
+        print(f"OK resave {kind} at {layout_name}: Megatron-saved checkpoint exports bitwise")
+    dist.barrier()
+
+
+def parity(workdir: Path, kind: str, layout_name: str) -> None:
+    """The library behind tools/check_hf_mcore_parity.py, run on the converted checkpoint."""
+    from megatron_gspo.convert.parity import check_parity
+
+    report = check_parity(workdir / kind / "hf", workdir / kind / "mcore", parse_layout(layout_name),
+                          seq_len=64)
+    if report is not None:
+        assert report.max_abs_diff <= TOLERANCE and report.argmax_agreement == 1.0, report
+        print(f"OK parity {kind}:{layout_name}: {report}")
+
+
+def main() -> None:
+    workdir = Path(sys.argv[1])
+    for arg in sys.argv[2:]:
+        if arg == "--resave":
+            resave_and_export(workdir, kind, module, layout_name)
+        elif arg.startswith("parity="):
+            parity(workdir, *arg.removeprefix("parity=").split(":"))
+        else:
+            kind, layout_name = arg.split(":")
+            module = check(workdir, kind, layout_name)
+
+if __name__ == "__main__":
+    main()
+    dist.barrier()
+    dist.destroy_process_group()  # without it gloo can abort at exit
