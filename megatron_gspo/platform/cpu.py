@@ -262,6 +262,14 @@ def _cp_rotary_slice() -> list[Undo]:
             for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)]
 
 
+def _tied_embeddings_pp() -> list[Undo]:
+    # models/common/language_module/language_module.py:244: with tied embeddings and PP > 1 the
+    # first and last stages sync their copies with `weight.data = weight.data.cuda()` + all-reduce.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    return [_run_on_cpu(LanguageModule, "setup_embeddings_and_output_layer")]
+
+
 def _grad_norm_float64() -> list[Undo]:
     # Without apex/TE the grad norm is optimizer/clip_grads.py:l2_norm_impl ->
     # utils.local_multi_tensor_l2_norm (utils.py:1205), a float32 torch.norm per tensor. torch 2.13's
@@ -288,6 +296,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("schedules", "pipeline_parallel/schedules.py:596", _schedules),
     Patch("optimizer", "optimizer/optimizer.py:907", _optimizer),
     Patch("cp_rotary_slice", "models/common/embeddings/rope_utils.py:62", _cp_rotary_slice),
+    Patch("tied_embeddings_pp", "models/common/language_module/language_module.py:244", _tied_embeddings_pp),
     Patch("grad_norm_float64", "optimizer/clip_grads.py:l2_norm_impl (utils.py:1205)", _grad_norm_float64),
 )
 

@@ -87,6 +87,21 @@ def cp_rotary_slice() -> None:
     assert mine == ([0.0, 1.0, 6.0, 7.0] if dist.get_rank() == 0 else [2.0, 3.0, 4.0, 5.0]), mine
 
 
+def tied_embeddings_across_stages() -> None:
+    """A dense model with tied embeddings split over 2 pipeline stages (the stages sync the copies)."""
+    from megatron.core import parallel_state as ps
+
+    dense = dataclasses.replace(TINY_MOE, num_experts=None, moe_ffn_hidden_size=None,
+                                tie_word_embeddings=True)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        build_model(dense, transformer_config(dense, Layout(pp=2)), wrap_ddp=False)
+    finally:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(expert_model_parallel_size=LAYOUT.ep)
+
+
 def grad_norm_precision() -> None:
     """Megatron's grad norm over a 4M-element gradient within 1e-6 of the float64 truth."""
     import megatron.core.optimizer.clip_grads as clip_grads
@@ -112,6 +127,7 @@ PROBES = {
     "optimizer": train_step,
     "causal_mask": stock_attention_causal,
     "cp_rotary_slice": cp_rotary_slice,
+    "tied_embeddings_pp": tied_embeddings_across_stages,
     "grad_norm_float64": grad_norm_precision,
 }
 
