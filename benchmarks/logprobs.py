@@ -2,6 +2,9 @@
 
 Side by side on the same shards (same seed per rank), at TP = 1 and 2 (gloo, one process per rank):
   ours      megatron_gspo.loss.vocab_parallel_logprobs (chunked, custom backward)
+  ours-inplace  the same with inplace=True: overwrites the logits and returns them as the gradient,
+            as Megatron does (on a non-leaf alias of the logits shard: a leaf that requires grad is
+            refused, and in training the logits are the output layer's, a non-leaf)
   megatron  -megatron.core.tensor_parallel.vocab_parallel_cross_entropy (log-prob only; no entropy)
   naive     float32 autograd ops: log_softmax + gather at TP1; at TP>1 the same math unfused on the
             shard with differentiable all-reduces (no all-gather of the vocabulary)
@@ -28,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("ours", "megatron", "naive")
+METHODS = ("ours", "ours-inplace", "megatron", "naive")
 VARIANTS = ("logprob", "logprob+entropy")
 
 
@@ -70,12 +73,15 @@ def _method_fn(method, variant, tp_group, tp, chunk_size):
     import torch.distributed as dist
 
     entropy = variant == "logprob+entropy"
-    if method == "ours":
+    if method in ("ours", "ours-inplace"):
         from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
+        inplace = method == "ours-inplace"
+        alias = _non_leaf_alias_cls().apply
 
         def run(logits, targets):
-            out = vocab_parallel_logprobs(logits, targets, tp_group=tp_group, chunk_size=chunk_size,
-                                          with_entropy=entropy)
+            out = vocab_parallel_logprobs(alias(logits) if inplace else logits, targets,
+                                          tp_group=tp_group, chunk_size=chunk_size, with_entropy=entropy,
+                                          inplace=inplace)
             return out if entropy else (out,)
         return run
     if method == "megatron":
@@ -116,6 +122,24 @@ def _method_fn(method, variant, tp_group, tp, chunk_size):
             out += (-d_all_reduce((logp_TV.exp() * logp_TV).sum(-1), group=tp_group),)
         return out
     return run
+
+
+def _non_leaf_alias_cls():
+    import torch
+
+    class NonLeafAlias(torch.autograd.Function):
+        """Identity whose output shares the input's storage without being a view of it: stands in, at
+        no cost, for the output layer that makes the logits in training (in-place needs a non-leaf)."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return NonLeafAlias
 
 
 def worker(args):
@@ -196,7 +220,7 @@ def main(args):
                                "--vocab", str(args.vocab), "--reps", str(args.reps), "--dtype", args.dtype,
                                *extra, timeout=1800)
                 res = json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
-                print(f"  done tp={tp} {variant:16s} {method:9s} {res['time_s']:.3f} s "
+                print(f"  done tp={tp} {variant:16s} {method:12s} {res['time_s']:.3f} s "
                       f"{res['extra_gb']:.3f} GB", flush=True)
                 rows.append(res)
     print_table(rows, args)
@@ -209,7 +233,7 @@ def print_table(rows, args):
     print()
     print("time = median fwd+bwd wall s; extra peak = peak RSS above RSS with logits resident, GB per rank;")
     print("ratios vs Megatron's log-prob run at the same TP (targets: time <= 1.0x, memory <= 0.25x)")
-    head = (f"{'TP':>2} {'variant':16s} {'method':9s} {'time s':>8} {'x meg':>7} {'extra GB':>9} "
+    head = (f"{'TP':>2} {'variant':16s} {'method':12s} {'time s':>8} {'x meg':>7} {'extra GB':>9} "
             f"{'x meg':>7} {'x logits':>8} {'mean logp':>11} {'mean H':>9} {'|grad|':>9}")
     print(head)
     print("-" * len(head))
@@ -218,13 +242,15 @@ def print_table(rows, args):
         t_ratio = f"{r['time_s'] / m['time_s']:.2f}" if m else "-"
         m_ratio = f"{r['extra_gb'] / m['extra_gb']:.2f}" if m and m["extra_gb"] > 0.01 else "-"
         ent = f"{r['entropy_mean']:.5f}" if r["entropy_mean"] is not None else "-"
-        print(f"{r['tp']:>2} {r['variant']:16s} {r['method']:9s} {r['time_s']:8.3f} {t_ratio:>7} "
+        print(f"{r['tp']:>2} {r['variant']:16s} {r['method']:12s} {r['time_s']:8.3f} {t_ratio:>7} "
               f"{r['extra_gb']:9.3f} {m_ratio:>7} {r['extra_gb'] / logits_gb[r['tp']]:8.2f} "
               f"{r['logprob_mean']:11.5f} {ent:>9} {r['grad_norm']:9.4f}")
     print(f"(logits shard: {', '.join(f'TP{tp} {gb:.2f} GB' for tp, gb in logits_gb.items())})")
     print("Megatron with float32 logits overwrites them in place (softmax, then gradient, in the same\n"
           "buffer): its extra memory is ~0 and the logits are gone afterwards. With bf16 logits it makes\n"
-          "a float32 copy. ours and naive leave the logits intact and return a new gradient (>= 1x logits).")
+          "a float32 copy. ours and naive leave the logits intact and return a new gradient (>= 1x logits).\n"
+          "ours-inplace overwrites float32 logits the way Megatron does (bf16: the gradient is written into\n"
+          "them in the backward, the forward's chunk buffers stay).")
 
 
 if __name__ == "__main__":

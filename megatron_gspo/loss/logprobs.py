@@ -15,6 +15,13 @@ recomputes the softmax from them, writing the gradient straight into its output 
 dtype). Collectives: two all-reduces over `tp_group` per call (a max, then one stacked sum), whatever
 the chunking; the backward needs none: the shard's softmax against the saved global statistics is
 already exact.
+
+In place (`inplace=True`): the logits buffer is overwritten and becomes the gradient buffer, as in
+Megatron-Core's vocab_parallel_cross_entropy. With float32 logits the forward keeps the shard's
+exp(x - m) (x = logits / temperature, m the shard's own max) in the logits themselves, or x - m when
+the entropy is asked for, and the backward turns that into the gradient where it lies: no c x V copy,
+no gradient allocation, and no exp in the backward of the log-prob alone. Other dtypes keep the
+forward as it is and write the gradient (rounded once to their dtype) into the logits in the backward.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ _CHUNK_BYTES_DEFAULT = 256 << 20
 
 
 def vocab_parallel_logprobs(logits, targets, *, tp_group=None, temperature=1.0, vocab_size=None,
-                            chunk_size=None, with_entropy=False):
+                            chunk_size=None, with_entropy=False, inplace=False):
     """log pi(target | .) per token, float32, from this rank's vocabulary shard of the logits.
 
     logits: [..., V] any float dtype, this rank's contiguous vocabulary shard.
@@ -41,6 +48,16 @@ def vocab_parallel_logprobs(logits, targets, *, tp_group=None, temperature=1.0, 
     chunk_size: tokens per chunk; None: 4 MB of float32 per chunk on CPU, 256 MB on GPU;
         0 means one chunk.
     with_entropy: also return the entropy of the whole (tempered, unpadded) distribution per token.
+    inplace: the logits buffer is overwritten and becomes the gradient buffer (returned as the
+        gradient, in the logits' dtype). Pass it only when nothing else reads the logits after this
+        call: true for the training loss on the output layer's logits, whose backward needs only its
+        input and weight. With float32 logits the forward already overwrites them (with the shard's
+        softmax numerators); other dtypes are overwritten in the backward. Autograd sees the logits as
+        modified by this call, so another op that saved them for its backward raises there rather
+        than use the overwritten values; but a read of the logits after this call (which sees the
+        overwritten values) is not detected. A leaf that requires grad cannot be modified in place
+        and is refused; a non-contiguous tensor is first copied (correct, saves nothing). Values are
+        those of inplace=False bit for bit; the gradient agrees to float32 rounding (~1e-7 relative).
 
     Returns logprobs [...] float32, or (logprobs, entropy) with with_entropy. Differentiable with
     respect to `logits` (through both outputs at once).
@@ -65,9 +82,25 @@ def vocab_parallel_logprobs(logits, targets, *, tp_group=None, temperature=1.0, 
     T = targets.numel()
     chunk = _chunk_tokens(chunk_size, T, n_valid, logits.device)
 
-    logprobs_T, entropy_T = _VocabParallelLogprobs.apply(
-        logits.reshape(T, V), targets.reshape(T), tp_group if tp_size > 1 else None,
-        float(temperature), vocab_start, n_valid, chunk, with_entropy)
+    if not inplace:
+        logprobs_T, entropy_T = _VocabParallelLogprobs.apply(
+            logits.reshape(T, V), targets.reshape(T), tp_group if tp_size > 1 else None,
+            float(temperature), vocab_start, n_valid, chunk, with_entropy)
+    else:
+        if torch.is_grad_enabled() and logits.requires_grad and (
+                logits.is_leaf or (logits._base is not None and logits._base.is_leaf)):
+            raise ValueError("inplace=True overwrites the logits: they must not be a leaf (or a view "
+                             "of a leaf) that requires grad; pass the output of the layer that made them")
+        if not logits.is_contiguous():
+            logits = logits.contiguous()  # a copy to overwrite: correct, but saves nothing
+        # Two Functions, because autograd lets a Function that modifies a view in place (the
+        # logits are often one) return only that view: the first overwrites the logits and computes
+        # everything, the second hands out the results and owns the backward.
+        stash = _Stash()
+        overwritten = _OverwriteLogits.apply(logits, stash, targets.reshape(T),
+                                             tp_group if tp_size > 1 else None, float(temperature),
+                                             vocab_start, n_valid, chunk, with_entropy)
+        logprobs_T, entropy_T = _LogprobsFromOverwritten.apply(overwritten.view(T, V), stash)
     if with_entropy:
         return logprobs_T.view(lead_shape), entropy_T.view(lead_shape)
     return logprobs_T.view(lead_shape)
@@ -126,25 +159,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                     sums_3T[0, lo:hi] = x_cV.exp_().sum(dim=1)
             del x_buf, e_buf
 
-        gmax_T = max_T.clone()
-        if tp_group is not None:
-            dist.all_reduce(gmax_T, op=dist.ReduceOp.MAX, group=tp_group)
-        if n_valid == 0:
-            max_T = gmax_T  # all-padding shard: its sums are 0, any finite shift keeps them 0
-        # exp(x - M) = exp(x - m) * exp(m - M), and (x - M) = (x - m) + (m - M).
-        shift_T = max_T - gmax_T
-        scale_T = torch.exp(shift_T)
-        sums_3T[1] = scale_T * (sums_3T[1] + sums_3T[0] * shift_T)
-        sums_3T[0] *= scale_T
-        if tp_group is not None:
-            dist.all_reduce(sums_3T, group=tp_group)
-        sumexp_T, shifted_dot_T, target_T = sums_3T
-        log_z_T = torch.log(sumexp_T)
-        # (x_t - M) - log Z rather than x_t - (M + log Z): exact for the likely tokens even when
-        # the logits are large (fp32 spacing at 1e4 is 1e-3).
-        logprobs_T = (target_T - gmax_T) - log_z_T
-        # H = lse - E_p[x] = log Z - E_p[x - M]
-        entropy_T = log_z_T - shifted_dot_T / sumexp_T if with_entropy else None
+        gmax_T, _, log_z_T, logprobs_T, entropy_T = _global_stats(max_T, sums_3T, tp_group, n_valid,
+                                                                 with_entropy)
 
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits_TV, idx_T, here_T, gmax_T, log_z_T, entropy_T)
@@ -155,46 +171,206 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs_T, grad_entropy_T):
         logits_TV, idx_T, here_T, gmax_T, log_z_T, entropy_T = ctx.saved_tensors
         temperature, n_valid, chunk = ctx.cfg
-        T = gmax_T.numel()
         if n_valid == 0 or (grad_logprobs_T is None and grad_entropy_T is None):
             return torch.zeros_like(logits_TV), None, None, None, None, None, None, None
         grad_TV = torch.empty_like(logits_TV)
-        grad_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
-        # d logprob / dx = onehot(target) - p;   d H / dx = -p (log p + H)   (x = logits / temp).
-        # Together: -p (g_lp + g_H (log p + H)) + g_lp onehot, with p = exp(x - M) / Z and
-        # log p + H = (x - M) + (H - log Z); d x / d logits = 1 / temp. Per-token factors first:
-        neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)  # 1/Z <= 1: the max adds exp(0)
+        _grad_from_logits(logits_TV, grad_TV, idx_T, here_T, gmax_T, log_z_T, entropy_T,
+                          grad_logprobs_T, grad_entropy_T, temperature, n_valid, chunk)
+        return grad_TV, None, None, None, None, None, None, None
+
+
+class _Stash:
+    """What _OverwriteLogits computed, for _LogprobsFromOverwritten."""
+
+    __slots__ = ("outputs", "saved", "cfg")
+
+
+class _OverwriteLogits(torch.autograd.Function):
+    """Forward of vocab_parallel_logprobs(inplace=True): returns the logits, marked dirty.
+
+    float32: leaves e = exp(x - m) in the logits (x = logits / temperature, m the shard's max), or
+    x - m with the entropy. Other dtypes: reads the logits as _VocabParallelLogprobs does and leaves
+    them as they are (the backward overwrites them). The results go to `stash`. The gradient with
+    respect to the overwritten logits is the gradient with respect to the logits: passed through.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, stash, targets_T, tp_group, temperature, vocab_start, n_valid, chunk,
+                with_entropy):
+        T = targets_T.numel()
+        logits_TV = logits.view(T, logits.shape[-1])
+        dev = logits_TV.device
+        fp32 = logits_TV.dtype == torch.float32
+        idx_T, here_T = _local_target_index(targets_T, vocab_start, n_valid)
+        max_T = torch.full((T,), float("-inf"), device=dev)
+        sums_3T = torch.zeros(3, T, device=dev)  # rows: s1, s2 (entropy only), target logit
+        if n_valid > 0:
+            # The target logit first: the loop below overwrites it.
+            sums_3T[2] = torch.where(here_T, logits_TV.gather(1, idx_T[:, None]).squeeze(1).float()
+                                     / temperature, 0.0)
+            x_buf = None if fp32 else torch.empty(min(chunk, T), n_valid, device=dev)
+            e_buf = torch.empty(min(chunk, T), n_valid, device=dev) if with_entropy else None
+            for lo in range(0, T, chunk):
+                hi = min(lo + chunk, T)
+                if fp32:  # x = logits / temperature, in the logits themselves
+                    x_cV = logits_TV[lo:hi, :n_valid]
+                    if temperature != 1.0:
+                        x_cV.div_(temperature)
+                else:
+                    x_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature, out=x_buf[:hi - lo])
+                m_c = x_cV.amax(dim=1)
+                max_T[lo:hi] = m_c
+                x_cV.sub_(m_c[:, None])
+                if with_entropy:  # float32: x - m stays in the logits
+                    e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
+                    sums_3T[0, lo:hi] = e_cV.sum(dim=1)
+                    sums_3T[1, lo:hi] = e_cV.mul_(x_cV).sum(dim=1)
+                else:  # float32: exp(x - m) stays in the logits
+                    sums_3T[0, lo:hi] = x_cV.exp_().sum(dim=1)
+            del x_buf, e_buf
+
+        gmax_T, shift_T, log_z_T, logprobs_T, entropy_T = _global_stats(
+            max_T, sums_3T, tp_group, n_valid, with_entropy)
+
+        stash.outputs = (logprobs_T, entropy_T)
+        stash.saved = (idx_T, here_T, gmax_T, shift_T, log_z_T, entropy_T)
+        stash.cfg = (temperature, n_valid, chunk, with_entropy)
+        ctx.mark_dirty(logits)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None, None, None, None, None
+
+
+class _LogprobsFromOverwritten(torch.autograd.Function):
+    """Backward of vocab_parallel_logprobs(inplace=True): the gradient, in the overwritten logits."""
+
+    @staticmethod
+    def forward(ctx, buf_TV, stash):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(buf_TV, *stash.saved)
+        ctx.cfg = stash.cfg
+        return stash.outputs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_T, grad_entropy_T):
+        buf_TV, idx_T, here_T, gmax_T, shift_T, log_z_T, entropy_T = ctx.saved_tensors
+        temperature, n_valid, chunk, with_entropy = ctx.cfg
+        nones = (None,)
+        if n_valid == 0 or (grad_logprobs_T is None and grad_entropy_T is None):
+            return buf_TV.zero_(), *nones
+        if buf_TV.dtype != torch.float32:  # the logits are intact: recompute, write over them
+            _grad_from_logits(buf_TV, buf_TV, idx_T, here_T, gmax_T, log_z_T, entropy_T,
+                              grad_logprobs_T, grad_entropy_T, temperature, n_valid, chunk)
+            return buf_TV, *nones
+        T = gmax_T.numel()
+        buf_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
+        # As in _grad_from_logits: grad = -p (g_lp + g_H (log p + H)) / temp + g_lp onehot / temp,
+        # with p = exp(x - M) / Z = e exp(m - M - log Z).
         if grad_logprobs_T is not None:
             onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
-        if grad_entropy_T is None:
-            lp_scale_T = grad_logprobs_T * neg_p_scale_T
+        if not with_entropy:
+            # The buffer holds e = exp(x - m): one multiply, no exp.
+            e_scale_T = torch.exp(shift_T - log_z_T) * (grad_logprobs_T * (-1.0 / temperature))
         else:
-            h_shift_T = entropy_T - log_z_T
-        # Work in place in the gradient itself when it is float32, else in one reused fp32 buffer.
-        fp32_grad = grad_TV.dtype == torch.float32
-        c = min(chunk, T)
-        work_buf = None if fp32_grad else torch.empty(c, n_valid, device=grad_TV.device)
-        e_buf = None if grad_entropy_T is None else torch.empty(c, n_valid, device=grad_TV.device)
+            # The buffer holds x - m: (x - M) = (x - m) + (m - M), then as _grad_from_logits.
+            neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)
+            if grad_entropy_T is None:
+                lp_scale_T = grad_logprobs_T * neg_p_scale_T
+            else:
+                h_shift_T = entropy_T - log_z_T
+                e_buf = torch.empty(min(chunk, T), n_valid, device=buf_TV.device)
         for lo in range(0, T, chunk):
             hi = min(lo + chunk, T)
-            out_cV = grad_TV[lo:hi, :n_valid]
-            # Softmax of the local shard against the saved global max and sum: purely local.
-            x_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature,
-                             out=out_cV if fp32_grad else work_buf[:hi - lo])
-            x_cV.sub_(gmax_T[lo:hi, None])  # x - M
-            if grad_entropy_T is None:
-                coef_cV = x_cV.exp_().mul_(lp_scale_T[lo:hi, None])
+            b_cV = buf_TV[lo:hi, :n_valid]
+            if not with_entropy:
+                coef_cV = b_cV.mul_(e_scale_T[lo:hi, None])
             else:
-                e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
-                coef_cV = x_cV.add_(h_shift_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
-                if grad_logprobs_T is not None:
-                    coef_cV.add_(grad_logprobs_T[lo:hi, None])
-                coef_cV.mul_(e_cV).mul_(neg_p_scale_T[lo:hi, None])
+                x_cV = b_cV.add_(shift_T[lo:hi, None])  # x - M
+                if grad_entropy_T is None:
+                    coef_cV = x_cV.exp_().mul_(lp_scale_T[lo:hi, None])
+                else:
+                    e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
+                    coef_cV = x_cV.add_(h_shift_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
+                    if grad_logprobs_T is not None:
+                        coef_cV.add_(grad_logprobs_T[lo:hi, None])
+                    coef_cV.mul_(e_cV).mul_(neg_p_scale_T[lo:hi, None])
             if grad_logprobs_T is not None:
                 coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_T[lo:hi, None])
-            if not fp32_grad:
-                out_cV.copy_(coef_cV)
-        return grad_TV, None, None, None, None, None, None, None
+        return buf_TV, *nones
+
+
+def _global_stats(max_T, sums_3T, tp_group, n_valid, with_entropy):
+    """Per-token statistics of the whole vocabulary from each shard's, relative to its own max m.
+
+    sums_3T rows: sum exp(x - m), sum exp(x - m) (x - m), target logit (0 off its shard); rescaled
+    in place. Returns global max M, m - M, log Z (Z = sum exp(x - M)), log-probs, entropy (or None).
+    """
+    gmax_T = max_T.clone()
+    if tp_group is not None:
+        dist.all_reduce(gmax_T, op=dist.ReduceOp.MAX, group=tp_group)
+    if n_valid == 0:
+        max_T = gmax_T  # all-padding shard: its sums are 0, any finite shift keeps them 0
+    # exp(x - M) = exp(x - m) * exp(m - M), and (x - M) = (x - m) + (m - M).
+    shift_T = max_T - gmax_T
+    scale_T = torch.exp(shift_T)
+    sums_3T[1] = scale_T * (sums_3T[1] + sums_3T[0] * shift_T)
+    sums_3T[0] *= scale_T
+    if tp_group is not None:
+        dist.all_reduce(sums_3T, group=tp_group)
+    sumexp_T, shifted_dot_T, target_T = sums_3T
+    log_z_T = torch.log(sumexp_T)
+    # (x_t - M) - log Z rather than x_t - (M + log Z): exact for the likely tokens even when
+    # the logits are large (fp32 spacing at 1e4 is 1e-3).
+    logprobs_T = (target_T - gmax_T) - log_z_T
+    # H = lse - E_p[x] = log Z - E_p[x - M]
+    entropy_T = log_z_T - shifted_dot_T / sumexp_T if with_entropy else None
+    return gmax_T, shift_T, log_z_T, logprobs_T, entropy_T
+
+
+def _grad_from_logits(logits_TV, grad_TV, idx_T, here_T, gmax_T, log_z_T, entropy_T,
+                      grad_logprobs_T, grad_entropy_T, temperature, n_valid, chunk):
+    """Writes d(loss)/d(logits) into grad_TV, recomputing the softmax from logits_TV chunk by chunk.
+
+    grad_TV may be logits_TV itself: each chunk is read (into float32) before it is written.
+    """
+    T = gmax_T.numel()
+    grad_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
+    # d logprob / dx = onehot(target) - p;   d H / dx = -p (log p + H)   (x = logits / temp).
+    # Together: -p (g_lp + g_H (log p + H)) + g_lp onehot, with p = exp(x - M) / Z and
+    # log p + H = (x - M) + (H - log Z); d x / d logits = 1 / temp. Per-token factors first:
+    neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)  # 1/Z <= 1: the max adds exp(0)
+    if grad_logprobs_T is not None:
+        onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
+    if grad_entropy_T is None:
+        lp_scale_T = grad_logprobs_T * neg_p_scale_T
+    else:
+        h_shift_T = entropy_T - log_z_T
+    # Work in place in the gradient itself when it is float32, else in one reused fp32 buffer.
+    fp32_grad = grad_TV.dtype == torch.float32
+    c = min(chunk, T)
+    work_buf = None if fp32_grad else torch.empty(c, n_valid, device=grad_TV.device)
+    e_buf = None if grad_entropy_T is None else torch.empty(c, n_valid, device=grad_TV.device)
+    for lo in range(0, T, chunk):
+        hi = min(lo + chunk, T)
+        out_cV = grad_TV[lo:hi, :n_valid]
+        # Softmax of the local shard against the saved global max and sum: purely local.
+        x_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature,
+                         out=out_cV if fp32_grad else work_buf[:hi - lo])
+        x_cV.sub_(gmax_T[lo:hi, None])  # x - M
+        if grad_entropy_T is None:
+            coef_cV = x_cV.exp_().mul_(lp_scale_T[lo:hi, None])
+        else:
+            e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
+            coef_cV = x_cV.add_(h_shift_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
+            if grad_logprobs_T is not None:
+                coef_cV.add_(grad_logprobs_T[lo:hi, None])
+            coef_cV.mul_(e_cV).mul_(neg_p_scale_T[lo:hi, None])
+        if grad_logprobs_T is not None:
+            coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_T[lo:hi, None])
+        if not fp32_grad:
+            out_cV.copy_(coef_cV)
 
 
 def _tempered(src_cV, temperature, out):

@@ -56,8 +56,17 @@ class LossSettings:
 
 
 def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Groups) -> torch.Tensor:
+    # inplace: the logits are the output layer's, read by nothing after this call (that layer's
+    # backward needs its input and weight only), so they are overwritten and become their own
+    # gradient buffer, as in Megatron's vocab_parallel_cross_entropy: no second logits-sized buffer.
+    # Both steps use it: in the training step it saves the gradient allocation and the backward's
+    # exp; in the forward-only step it saves the float32 working copy of each chunk, and above all
+    # it keeps the recomputed old log-probs on the very code path of the training forward, so that
+    # they stay bitwise equal to it (the in-place forward's values equal the copy path's bit for
+    # bit in our tests, but one code path for both needs no such argument on every device).
     return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=groups.tp,
-                                   temperature=settings.temperature, vocab_size=settings.vocab_size)
+                                   temperature=settings.temperature, vocab_size=settings.vocab_size,
+                                   inplace=True)
 
 
 def _run_model(model, batch: MicroBatch):

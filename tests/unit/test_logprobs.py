@@ -37,21 +37,35 @@ def grads(logits, targets, up_lp, up_h, which, fn):
     return lp.detach(), h.detach(), g
 
 
-def ours(**kw):
+def ours(inplace=False, **kw):
+    """inplace=True runs on a non-leaf copy of the logits (a leaf that requires grad is refused), so
+    that the gradient still lands on the caller's leaf and the caller's logits stay intact."""
+    if inplace:
+        return lambda logits, targets: vocab_parallel_logprobs(logits.clone(), targets, with_entropy=True,
+                                                               inplace=True, **kw)
     return lambda logits, targets: vocab_parallel_logprobs(logits, targets, with_entropy=True, **kw)
+
+
+def ours_lp_only(inplace=False, **kw):
+    """with_entropy=False (in place, the logits then keep exp(x - m) rather than x - m); entropy 0."""
+    def fn(logits, targets):
+        lp = vocab_parallel_logprobs(logits.clone() if inplace else logits, targets, inplace=inplace, **kw)
+        return lp, torch.zeros_like(lp)
+    return fn
 
 
 def ref(**kw):
     return lambda logits, targets: reference(logits, targets, **kw)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
 @pytest.mark.parametrize("which", ["lp", "h", "lp+h"])
 @pytest.mark.parametrize("kw", [{}, {"temperature": 0.7}, {"vocab_size": 43},
                                 {"temperature": 1.6, "vocab_size": 41}],
                          ids=["plain", "temp0.7", "padded", "temp1.6+padded"])
-def test_values_and_gradients_fp32(which, kw):
+def test_values_and_gradients_fp32(which, kw, inplace):
     logits, targets, up_lp, up_h = make(vocab_size=kw.get("vocab_size"))
-    lp, h, g = grads(logits, targets, up_lp, up_h, which, ours(**kw))
+    lp, h, g = grads(logits, targets, up_lp, up_h, which, ours(inplace=inplace, **kw))
     lp_ref, h_ref, g_ref = grads(logits, targets, up_lp, up_h, which, ref(**kw))
     assert lp.dtype == h.dtype == torch.float32
     torch.testing.assert_close(lp.double(), lp_ref, atol=2e-5, rtol=1e-5)
@@ -61,9 +75,10 @@ def test_values_and_gradients_fp32(which, kw):
         assert g[:, kw["vocab_size"]:].eq(0).all()  # padded columns: exactly zero gradient
 
 
-def test_bf16_inputs_give_float32_outputs_and_bf16_gradient():
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_bf16_inputs_give_float32_outputs_and_bf16_gradient(inplace):
     logits, targets, up_lp, up_h = make(dtype=torch.bfloat16, vocab_size=45)
-    lp, h, g = grads(logits, targets, up_lp, up_h, "lp+h", ours(vocab_size=45, temperature=0.9))
+    lp, h, g = grads(logits, targets, up_lp, up_h, "lp+h", ours(inplace, vocab_size=45, temperature=0.9))
     # The reference sees the same bf16 values, so only the float32 arithmetic differs...
     lp_ref, h_ref, g_ref = grads(logits, targets, up_lp, up_h, "lp+h", ref(vocab_size=45, temperature=0.9))
     assert lp.dtype == h.dtype == torch.float32 and g.dtype == torch.bfloat16
@@ -73,24 +88,30 @@ def test_bf16_inputs_give_float32_outputs_and_bf16_gradient():
     torch.testing.assert_close(g.double(), g_ref.double(), atol=1e-3 * g_ref.abs().max().item(), rtol=2**-8)
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
 @pytest.mark.parametrize("chunk_size", [1, 4, 10, 36, 37, 100])
-def test_chunked_equals_unchunked(chunk_size):
+def test_chunked_equals_unchunked(chunk_size, inplace):
     logits, targets, up_lp, up_h = make(vocab_size=47)
     kw = {"vocab_size": 47, "temperature": 0.8}
     whole = grads(logits, targets, up_lp, up_h, "lp+h", ours(chunk_size=0, **kw))
-    chunked = grads(logits, targets, up_lp, up_h, "lp+h", ours(chunk_size=chunk_size, **kw))
+    chunked = grads(logits, targets, up_lp, up_h, "lp+h", ours(inplace, chunk_size=chunk_size, **kw))
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_qwen3_vocab_precision():
+@pytest.mark.parametrize("which", ["lp+h", "lp"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_qwen3_vocab_precision(inplace, which):
     # 151936 ids: float32 sums over a vocabulary this long must not lose digits (a BLAS dot product
-    # for the entropy's sum p*x lost ~1e-3 here; torch's cascade sum keeps ~1e-6).
+    # for the entropy's sum p*x lost ~1e-3 here; torch's cascade sum keeps ~1e-6). "lp" alone takes
+    # the in-place path that keeps exp(x - m) rather than x - m in the logits.
     logits, targets, up_lp, up_h = make(T=6, V=151936, scale=3.0)
-    lp, h, g = grads(logits, targets, up_lp, up_h, "lp+h", ours())
-    lp_ref, h_ref, g_ref = grads(logits, targets, up_lp, up_h, "lp+h", ref())
+    fn = ours_lp_only(inplace) if which == "lp" else ours(inplace)
+    lp, h, g = grads(logits, targets, up_lp, up_h, which, fn)
+    lp_ref, h_ref, g_ref = grads(logits, targets, up_lp, up_h, which, ref())
     torch.testing.assert_close(lp.double(), lp_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h.double(), h_ref, atol=1e-5, rtol=0)
+    if which == "lp+h":
+        torch.testing.assert_close(h.double(), h_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(g.double(), g_ref.double(), atol=1e-6, rtol=1e-5)
 
 
@@ -130,13 +151,14 @@ def test_uniform_logits_by_hand():
     torch.testing.assert_close(g_h, torch.zeros(1, V))
 
 
-def test_extreme_logits_are_finite_and_right():
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+def test_extreme_logits_are_finite_and_right(inplace):
     logits, targets, up_lp, up_h = make(T=16, V=40)
     with torch.no_grad():
         logits.copy_(torch.randint(0, 2, logits.shape) * 2e4 - 1e4)  # +-1e4 everywhere
         logits[0] = 1e4  # a row with many equal maxima
         logits[1] = -1e4
-    lp, h, g = grads(logits, targets, up_lp, up_h, "lp+h", ours(chunk_size=3, temperature=0.5))
+    lp, h, g = grads(logits, targets, up_lp, up_h, "lp+h", ours(inplace, chunk_size=3, temperature=0.5))
     lp_ref, h_ref, g_ref = grads(logits, targets, up_lp, up_h, "lp+h", ref(temperature=0.5))
     assert torch.isfinite(lp).all() and torch.isfinite(h).all() and torch.isfinite(g).all()
     # Likely tokens to 1e-5 absolute; the unlikely ones (~ -4e4) to fp32's relative precision.
@@ -167,3 +189,96 @@ def test_bad_arguments_raise(kw):
     logits, targets, _, _ = make()
     with pytest.raises(ValueError):
         vocab_parallel_logprobs(logits, targets, **kw)
+
+
+# ------------------------------------------------------------------------------- inplace=True
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["lp", "h", "lp+h", "lp-only-call"])
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7, "chunk_size": 4},
+                                {"vocab_size": 43, "chunk_size": 0},
+                                {"temperature": 1.6, "vocab_size": 41, "chunk_size": 10}],
+                         ids=["plain", "temp0.7+chunk4", "padded+1chunk", "temp1.6+padded+chunk10"])
+def test_inplace_equals_copy(kw, which, dtype):
+    # Same values bit for bit; the gradient to float32 rounding (the in-place backward of the
+    # log-prob alone scales the stored exp(x - m) instead of recomputing exp(x - M)).
+    logits, targets, up_lp, up_h = make(vocab_size=kw.get("vocab_size"), dtype=dtype)
+    fn = ours
+    if which == "lp-only-call":  # with_entropy=False: the logits keep exp(x - m), not x - m
+        fn, which = ours_lp_only, "lp"
+    lp0, h0, g0 = grads(logits, targets, up_lp, up_h, which, fn(False, **kw))
+    lp1, h1, g1 = grads(logits, targets, up_lp, up_h, which, fn(True, **kw))
+    assert g1.dtype == dtype
+    torch.testing.assert_close(lp1, lp0, atol=0, rtol=0)
+    torch.testing.assert_close(h1, h0, atol=0, rtol=0)
+    tol = dict(atol=1e-7, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(g1, g0, **tol)
+    if "vocab_size" in kw:
+        assert g1[:, kw["vocab_size"]:].eq(0).all()
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("batch", [3, 1], ids=["B3", "B1-view"])
+def test_inplace_on_linear_output(batch, with_entropy):
+    # The use it is made for: the output layer's logits, a non-leaf, overwritten and turned into
+    # the gradient in place; the gradients of the layer's input and weight are the copy path's.
+    # With one sequence, transpose(0, 1).contiguous() (as GPTModel returns) is a view of the
+    # linear's output: the in-place path must handle views too.
+    torch.manual_seed(0)
+    S, H, V = 7, 16, 50
+    hidden = torch.randn(S, batch, H, requires_grad=True)
+    linear = torch.nn.Linear(H, V)
+    targets = torch.randint(0, 45, (batch, S))
+    results = []
+    for inplace in (False, True):
+        hidden.grad = None
+        linear.zero_grad()
+        y = linear(hidden).transpose(0, 1).contiguous()
+        assert (y._base is not None) == (batch == 1)
+        before = y.detach().clone()
+        out = vocab_parallel_logprobs(y, targets, temperature=0.8, vocab_size=45, chunk_size=3,
+                                      with_entropy=with_entropy, inplace=inplace)
+        lp, h = out if with_entropy else (out, torch.zeros(()))
+        assert torch.equal(y.detach(), before) != inplace  # overwritten exactly when asked
+        (lp.sum() + 0.5 * h.sum()).backward()
+        results.append((lp.detach(), h.detach(), hidden.grad, linear.weight.grad, linear.bias.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+
+
+def test_inplace_returns_the_logits_buffer_as_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 16, requires_grad=True)
+    y = torch.nn.Linear(16, 50)(hidden)
+    seen = []
+    y.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    vocab_parallel_logprobs(y, torch.randint(0, 50, (6,)), inplace=True).sum().backward()
+    assert seen == [y.data_ptr()]
+
+
+def test_inplace_refuses_a_leaf_and_guards_other_saved_uses():
+    logits, targets, _, _ = make()
+    with pytest.raises(ValueError, match="leaf"):
+        vocab_parallel_logprobs(logits, targets, inplace=True)
+    with pytest.raises(ValueError, match="leaf"):
+        vocab_parallel_logprobs(logits.view(-1, 50), targets, inplace=True)
+    y = logits * 2
+    squared = y.pow(2)  # saves y for its backward: the overwrite must be caught, not used silently
+    lp = vocab_parallel_logprobs(y, targets, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + squared.sum()).backward()
+
+
+def test_inplace_without_grad_and_empty():
+    logits, targets, _, _ = make()
+    with torch.no_grad():
+        expected = vocab_parallel_logprobs(logits, targets, chunk_size=5, with_entropy=True)
+        got = vocab_parallel_logprobs(logits.clone(), targets, chunk_size=5, with_entropy=True, inplace=True)
+        # a leaf that requires grad is fine where no gradient is taken
+        lp = vocab_parallel_logprobs(logits.detach().clone().requires_grad_(), targets, inplace=True)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+    torch.testing.assert_close(lp, expected[0], atol=0, rtol=0)
+    y = torch.randn(0, 7, requires_grad=True) * 1
+    lp, h = vocab_parallel_logprobs(y, torch.zeros(0, dtype=torch.long), with_entropy=True, inplace=True)
+    assert lp.shape == h.shape == (0,)

@@ -6,7 +6,9 @@ Every rank builds the same full logits [T, TP*V] from a fixed seed, keeps its vo
 (rank r holds ids [r*V, (r+1)*V)), and runs vocab_parallel_logprobs with tp_group = the world. Its
 log-probs and entropy must equal the reference's, and its gradient the reference gradient's shard.
 Cases cover targets on every shard, padded vocabularies (a partly padded last shard; at TP >= 2 also
-an all-padding last shard), chunked and unchunked, temperature, with and without entropy. The worker
+an all-padding last shard), chunked and unchunked, temperature, with and without entropy, and each
+both with inplace=False and inplace=True (on a non-leaf copy of the shard; its values must equal the
+copy path's bit for bit, its gradient to float32 rounding). The worker
 also counts collectives: two all-reduces per forward at TP > 1, none in the backward, no gather.
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ def cases(tp):
             yield vocab_size, temperature, chunk_size, with_entropy
 
 
-def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter):
+def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter, inplace=False):
     n_ids = vocab_size or V * tp
     g = torch.Generator().manual_seed(n_ids * 100 + (chunk_size or 0))
     full_logits = torch.randn(T, V * tp, generator=g, dtype=torch.float64) * 4
@@ -71,8 +73,11 @@ def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter):
 
     shard = full_logits[:, rank * V:(rank + 1) * V].float().requires_grad_()
     before = counter.all_reduces
-    out = vocab_parallel_logprobs(shard, targets, tp_group=dist.group.WORLD, temperature=temperature,
-                                  vocab_size=vocab_size, chunk_size=chunk_size, with_entropy=with_entropy)
+    # inplace: a non-leaf to overwrite (a leaf that requires grad is refused); the gradient reaches
+    # `shard` through the copy.
+    out = vocab_parallel_logprobs(shard.clone() if inplace else shard, targets, tp_group=dist.group.WORLD,
+                                  temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size,
+                                  with_entropy=with_entropy, inplace=inplace)
     lp, h = out if with_entropy else (out, None)
     forward_all_reduces = counter.all_reduces - before
     loss = (lp * up_lp.float()).sum() + ((h * up_h.float()).sum() if with_entropy else 0)
@@ -80,7 +85,7 @@ def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter):
     backward_all_reduces = counter.all_reduces - before - forward_all_reduces
 
     what = (f"tp={tp} rank={rank} vocab_size={vocab_size} temp={temperature} chunk={chunk_size} "
-            f"entropy={with_entropy}")
+            f"entropy={with_entropy} inplace={inplace}")
     assert lp.dtype == torch.float32, what
     close = torch.testing.assert_close
     close(lp.double(), lp_ref.detach(), **TOL, msg=lambda m: f"{what}: logprobs {m}")
@@ -92,15 +97,29 @@ def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter):
     expected = 2 if tp > 1 else 0  # a max, then one stacked sum; a group of one needs none
     assert (forward_all_reduces, backward_all_reduces) == (expected, 0), \
         f"{what}: {forward_all_reduces} all-reduces in forward, {backward_all_reduces} in backward"
-    return (lp.double() - lp_ref.detach()).abs().max().item()
+    return (lp.double() - lp_ref.detach()).abs().max().item(), (lp.detach(), h, shard.grad)
 
 
 def main():
     dist.init_process_group("gloo")
     tp, rank = dist.get_world_size(), dist.get_rank()
     counter = CollectiveCounter()
-    errors = [check(tp, rank, *case, counter) for case in cases(tp)]
-    print(f"OK logprobs tp={tp} rank={rank}: {len(errors)} cases, max |logprob error| {max(errors):.1e}",
+    errors, diffs = [], [0.0, 0.0, 0.0]  # inplace vs copy: max |d logprob|, |d entropy|, |d grad|
+    for case in cases(tp):
+        err, (lp, h, grad) = check(tp, rank, *case, counter)
+        err_in, (lp_in, h_in, grad_in) = check(tp, rank, *case, counter, inplace=True)
+        errors += [err, err_in]
+        what = f"tp={tp} rank={rank} case={case}: inplace vs copy"
+        torch.testing.assert_close(lp_in, lp, atol=0, rtol=0, msg=lambda m: f"{what}: logprobs {m}")
+        if h is not None:
+            torch.testing.assert_close(h_in.detach(), h.detach(), atol=0, rtol=0,
+                                       msg=lambda m: f"{what}: entropy {m}")
+            diffs[1] = max(diffs[1], (h_in.detach() - h.detach()).abs().max().item())
+        torch.testing.assert_close(grad_in, grad, atol=1e-7, rtol=1e-6, msg=lambda m: f"{what}: grad {m}")
+        diffs[0] = max(diffs[0], (lp_in - lp).abs().max().item())
+        diffs[2] = max(diffs[2], (grad_in - grad).abs().max().item())
+    print(f"OK logprobs tp={tp} rank={rank}: {len(errors)} cases, max |logprob error| {max(errors):.1e}; "
+          f"inplace vs copy max |diff| logprob {diffs[0]:.1e} entropy {diffs[1]:.1e} grad {diffs[2]:.1e}",
           flush=True)
     dist.destroy_process_group()
 
