@@ -1,13 +1,15 @@
 """`megatron-gspo <command>`: thin argument parsing, one call into the library per command.
 
-Commands: `rollout` (offline rollouts from SGLang servers into a samples JSONL file; also the way to
-debug a reward function).
+Commands: `train` (the GSPO loop under torchrun), `plot` (metrics PNG of a run directory),
+`tiny-model` (the demo's tiny Qwen3, optionally format-warm-started), `rollout` (offline rollouts from
+SGLang servers into a samples JSONL file; also the way to debug a reward function).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 
 
@@ -89,9 +91,73 @@ def run_rollout(args) -> int:
     return 0
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="run GSPO training (launches torchrun with the configured processes)",
+                       description="Validate CONFIG, then run `torchrun -m megatron_gspo.training.loop` with "
+                                   "parallel.tp * pp * cp * dp processes on this machine. Multi-node: run "
+                                   "that torchrun command yourself (scripts/).")
+    p.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    from megatron_gspo.config import load_config
+    from megatron_gspo.rollout.server import free_port
+    from megatron_gspo.training.preflight import preflight
+
+    config = load_config(args.config, args.overrides)  # clear errors before anything starts
+    preflight(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.parallel.world_size),
+           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "megatron_gspo.training.loop", args.config, *args.overrides]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)  # torchrun takes this PID: signals reach it, and it the ranks
+
+
+def _plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="RUN_DIR/metrics.png from RUN_DIR/metrics.jsonl")
+    p.add_argument("run_dir")
+    p.set_defaults(func=run_plot)
+
+
+def run_plot(args) -> int:
+    from megatron_gspo.training.metrics import plot
+
+    print(plot(args.run_dir))
+    return 0
+
+
+def _tiny_model_parser(sub) -> None:
+    p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--warm-start", choices=("arithmetic",), help="supervised format warm-start for this task "
+                   "(answers with one random digit: reward at chance, see megatron_gspo/tasks/arithmetic.py)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.set_defaults(func=run_tiny_model)
+
+
+def run_tiny_model(args) -> int:
+    from megatron_gspo.rollout.tiny_model import TinyQwen3Spec, make_tiny_qwen3
+
+    out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed))
+    if args.warm_start:
+        from megatron_gspo.tasks.arithmetic import warm_start_format
+        digit_fraction = warm_start_format(out, seed=args.seed)
+        print(f"format warm-start: {digit_fraction:.0%} of greedy answers are one digit")
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description="GSPO RL post-training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _plot_parser(sub)
+    _tiny_model_parser(sub)
     _rollout_parser(sub)
     args = parser.parse_args(argv)
     try:

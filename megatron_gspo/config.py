@@ -69,6 +69,9 @@ class ParallelConfig:
     """Context parallel size (Transformer Engine attention on GPUs; CPU attention in this package)."""
     ep: int = 1
     """Expert parallel size (MoE)."""
+    dp: int = 1
+    """Data parallel size: `megatron-gspo train` launches tp * pp * cp * dp trainer processes
+    (expert parallelism reuses these ranks)."""
     etp: int | None = None
     """Expert tensor parallel size; None: Layout's default (tp when ep == 1, else 1)."""
     vpp: int | None = None
@@ -80,11 +83,16 @@ class ParallelConfig:
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
 
     def __post_init__(self):
-        _positive("parallel", self, "tp", "pp", "cp", "ep", "max_tokens_per_microbatch")
+        _positive("parallel", self, "tp", "pp", "cp", "ep", "dp", "max_tokens_per_microbatch")
         if self.etp is not None:
             _positive("parallel", self, "etp")
         if self.vpp is not None:
             _check(self.vpp >= 2 and self.pp >= 2, "parallel.vpp", "needs vpp >= 2 and pp >= 2 (or None)", self.vpp)
+
+    @property
+    def world_size(self) -> int:
+        """Trainer processes: tp * pp * cp * dp."""
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
     def layout(self) -> Layout:
@@ -163,6 +171,10 @@ class RolloutConfig:
     """Top-k sampling; -1 disables it."""
     concurrency: int = 64
     """Requests in flight per server."""
+    weight_sync: Literal["disk", "broadcast"] = "disk"
+    """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
+    under run_dir/weights that the servers read; needs a file system they share) or broadcast
+    (a gloo/NCCL group of trainer rank 0 and the servers)."""
     request_timeout_s: float = 600.0
     """Seconds before a generation request is retried."""
 
@@ -171,6 +183,8 @@ class RolloutConfig:
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "must be -1 or >= 1", self.top_k)
         _check(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0", self.request_timeout_s)
+        from megatron_gspo.tasks import TASKS
+        _check(self.task in TASKS, "rollout.task", f"must be one of {sorted(TASKS)}", self.task)
         if self.backend == "megatron":
             _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
                    self.server_urls)

@@ -32,6 +32,10 @@ def default_sglang_python() -> str:
     return os.environ.get(SGLANG_PYTHON_ENV) or str(REPO_ROOT / ".venv-sglang" / "bin" / "python")
 
 
+_TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
+
+
 class ServerStartError(RuntimeError):
     """A server exited or did not become ready; the message carries the tail of its log."""
 
@@ -112,7 +116,9 @@ class SGLangServer:
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # Launched from a torchrun rank, the server would inherit RANK/WORLD_SIZE/MASTER_PORT and
+        # SGLang's own torch.distributed init would join the trainer's rendezvous and hang there.
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
         if self.config.device == "cpu":
             # CPU test scaffolding only: the import stand-ins (cpu_stubs/README.md) and the CPU engine.
             env["SGLANG_USE_CPU_ENGINE"] = "1"

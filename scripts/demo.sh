@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's main command: sets up both environments (idempotent), makes the demo's tiny Qwen3 once
+# (random init + format warm-start), then runs the GSPO demo on CPU (TP2 + one SGLang server).
+# Arguments are config overrides, e.g. `scripts/demo.sh num_steps=20 seed=7`.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+"$root/scripts/setup.sh"
+"$root/scripts/setup_sglang.sh"
+cd "$root"
+if [ ! -f runs/tiny_cpu/hf/config.json ]; then
+  .venv/bin/megatron-gspo tiny-model runs/tiny_cpu/hf --warm-start arithmetic
+fi
+exec .venv/bin/megatron-gspo train examples/tiny_cpu.yaml "$@"
