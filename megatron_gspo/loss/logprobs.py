@@ -268,36 +268,21 @@ class _LogprobsFromOverwritten(torch.autograd.Function):
         buf_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
         # As in _grad_from_logits: grad = -p (g_lp + g_H (log p + H)) / temp + g_lp onehot / temp,
         # with p = exp(x - M) / Z = e exp(m - M - log Z).
-        if grad_logprobs_T is not None:
-            onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
         if not with_entropy:
             # The buffer holds e = exp(x - m): one multiply, no exp.
             e_scale_T = torch.exp(shift_T - log_z_T) * (grad_logprobs_T * (-1.0 / temperature))
-        else:
-            # The buffer holds x - m: (x - M) = (x - m) + (m - M), then as _grad_from_logits.
-            neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)
-            if grad_entropy_T is None:
-                lp_scale_T = grad_logprobs_T * neg_p_scale_T
-            else:
-                h_shift_T = entropy_T - log_z_T
-                e_buf = torch.empty(min(chunk, T), n_valid, device=buf_TV.device)
+            onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
+            for lo in range(0, T, chunk):
+                hi = min(lo + chunk, T)
+                coef_cV = buf_TV[lo:hi, :n_valid].mul_(e_scale_T[lo:hi, None])
+                coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_T[lo:hi, None])
+            return buf_TV, *nones
+        # The buffer holds x - m: (x - M) = (x - m) + (m - M), then as _grad_from_logits.
+        grad = _ChunkGrad(idx_T, here_T, log_z_T, entropy_T, grad_logprobs_T, grad_entropy_T,
+                          temperature, min(chunk, T), n_valid, buf_TV.device)
         for lo in range(0, T, chunk):
             hi = min(lo + chunk, T)
-            b_cV = buf_TV[lo:hi, :n_valid]
-            if not with_entropy:
-                coef_cV = b_cV.mul_(e_scale_T[lo:hi, None])
-            else:
-                x_cV = b_cV.add_(shift_T[lo:hi, None])  # x - M
-                if grad_entropy_T is None:
-                    coef_cV = x_cV.exp_().mul_(lp_scale_T[lo:hi, None])
-                else:
-                    e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
-                    coef_cV = x_cV.add_(h_shift_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
-                    if grad_logprobs_T is not None:
-                        coef_cV.add_(grad_logprobs_T[lo:hi, None])
-                    coef_cV.mul_(e_cV).mul_(neg_p_scale_T[lo:hi, None])
-            if grad_logprobs_T is not None:
-                coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_T[lo:hi, None])
+            grad.from_shifted(buf_TV[lo:hi, :n_valid].add_(shift_T[lo:hi, None]), lo, hi)
         return buf_TV, *nones
 
 
@@ -337,40 +322,57 @@ def _grad_from_logits(logits_TV, grad_TV, idx_T, here_T, gmax_T, log_z_T, entrop
     """
     T = gmax_T.numel()
     grad_TV[:, n_valid:] = 0  # padded columns take no part in the softmax: zero gradient
-    # d logprob / dx = onehot(target) - p;   d H / dx = -p (log p + H)   (x = logits / temp).
-    # Together: -p (g_lp + g_H (log p + H)) + g_lp onehot, with p = exp(x - M) / Z and
-    # log p + H = (x - M) + (H - log Z); d x / d logits = 1 / temp. Per-token factors first:
-    neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)  # 1/Z <= 1: the max adds exp(0)
-    if grad_logprobs_T is not None:
-        onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
-    if grad_entropy_T is None:
-        lp_scale_T = grad_logprobs_T * neg_p_scale_T
-    else:
-        h_shift_T = entropy_T - log_z_T
     # Work in place in the gradient itself when it is float32, else in one reused fp32 buffer.
     fp32_grad = grad_TV.dtype == torch.float32
     c = min(chunk, T)
     work_buf = None if fp32_grad else torch.empty(c, n_valid, device=grad_TV.device)
-    e_buf = None if grad_entropy_T is None else torch.empty(c, n_valid, device=grad_TV.device)
+    grad = _ChunkGrad(idx_T, here_T, log_z_T, entropy_T, grad_logprobs_T, grad_entropy_T,
+                      temperature, c, n_valid, grad_TV.device)
     for lo in range(0, T, chunk):
         hi = min(lo + chunk, T)
         out_cV = grad_TV[lo:hi, :n_valid]
         # Softmax of the local shard against the saved global max and sum: purely local.
         x_cV = _tempered(logits_TV[lo:hi, :n_valid], temperature,
                          out=out_cV if fp32_grad else work_buf[:hi - lo])
-        x_cV.sub_(gmax_T[lo:hi, None])  # x - M
-        if grad_entropy_T is None:
-            coef_cV = x_cV.exp_().mul_(lp_scale_T[lo:hi, None])
-        else:
-            e_cV = torch.exp(x_cV, out=e_buf[:hi - lo])
-            coef_cV = x_cV.add_(h_shift_T[lo:hi, None]).mul_(grad_entropy_T[lo:hi, None])
-            if grad_logprobs_T is not None:
-                coef_cV.add_(grad_logprobs_T[lo:hi, None])
-            coef_cV.mul_(e_cV).mul_(neg_p_scale_T[lo:hi, None])
-        if grad_logprobs_T is not None:
-            coef_cV.scatter_add_(1, idx_T[lo:hi, None], onehot_T[lo:hi, None])
+        coef_cV = grad.from_shifted(x_cV.sub_(gmax_T[lo:hi, None]), lo, hi)  # x - M
         if not fp32_grad:
             out_cV.copy_(coef_cV)
+
+
+class _ChunkGrad:
+    """d(loss)/d(logits) of one chunk from x - M, written over it (x = logits / temp, M global max).
+
+    d logprob / dx = onehot(target) - p;   d H / dx = -p (log p + H).
+    Together: -p (g_lp + g_H (log p + H)) + g_lp onehot, with p = exp(x - M) / Z and
+    log p + H = (x - M) + (H - log Z); d x / d logits = 1 / temp. The per-token factors are
+    computed once here; `from_shifted` applies them chunk by chunk.
+    """
+
+    def __init__(self, idx_T, here_T, log_z_T, entropy_T, grad_logprobs_T, grad_entropy_T,
+                 temperature, chunk, n_valid, device):
+        self.idx_T, self.grad_logprobs_T, self.grad_entropy_T = idx_T, grad_logprobs_T, grad_entropy_T
+        self.neg_p_scale_T = torch.exp(-log_z_T) * (-1.0 / temperature)  # 1/Z <= 1: the max adds exp(0)
+        if grad_logprobs_T is not None:
+            self.onehot_T = torch.where(here_T, grad_logprobs_T / temperature, 0.0)
+        if grad_entropy_T is None:
+            self.lp_scale_T = grad_logprobs_T * self.neg_p_scale_T
+        else:
+            self.h_shift_T = entropy_T - log_z_T
+            self.e_buf = torch.empty(chunk, n_valid, device=device)
+
+    def from_shifted(self, x_cV, lo, hi):
+        """x_cV = (x - M) of tokens lo:hi (float32, overwritten); returns it holding the gradient."""
+        if self.grad_entropy_T is None:
+            coef_cV = x_cV.exp_().mul_(self.lp_scale_T[lo:hi, None])
+        else:
+            e_cV = torch.exp(x_cV, out=self.e_buf[:hi - lo])
+            coef_cV = x_cV.add_(self.h_shift_T[lo:hi, None]).mul_(self.grad_entropy_T[lo:hi, None])
+            if self.grad_logprobs_T is not None:
+                coef_cV.add_(self.grad_logprobs_T[lo:hi, None])
+            coef_cV.mul_(e_cV).mul_(self.neg_p_scale_T[lo:hi, None])
+        if self.grad_logprobs_T is not None:
+            coef_cV.scatter_add_(1, self.idx_T[lo:hi, None], self.onehot_T[lo:hi, None])
+        return coef_cV
 
 
 def _tempered(src_cV, temperature, out):

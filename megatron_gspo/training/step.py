@@ -121,7 +121,7 @@ def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, gr
         return _from_last_stage({})
     sums = torch.zeros(5, dtype=torch.float64)  # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite
     for i, (mb, out) in enumerate(zip(mini.micro_batches, outputs)):
-        logprobs_BS = gather_from_cp(out["logprobs"], groups.cp) if group_size(groups.cp) > 1 else out["logprobs"]
+        logprobs_BS = gather_from_cp(out["logprobs"], groups.cp)
         mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
         if mini.rollout_logprobs and group_rank(groups.cp) == 0:
             sums += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
@@ -201,7 +201,7 @@ def compute_logprobs(model: list, responses: Sequence[Trainable], loss: LossSett
     mine: dict[int, list[float]] = {}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for rows, out in zip(mini.rows, outputs):
-            logprobs_BS = gather_from_cp(out["logprobs"], groups.cp) if group_size(groups.cp) > 1 else out["logprobs"]
+            logprobs_BS = gather_from_cp(out["logprobs"], groups.cp)
             for b, i in enumerate(rows):
                 start = len(responses[i].prompt_ids) - 1
                 mine[i] = logprobs_BS[b, start:start + len(responses[i].response_ids)].float().tolist()
