@@ -2,17 +2,21 @@
 
 A server runs in its own process group (SGLang forks a scheduler and a detokenizer), so stopping it
 is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a port or memory.
+If the process that started a server dies without stopping it (SIGKILL, OOM), the kernel kills the
+server too (Linux parent-death signal; SGLang's own children already follow their parent that way).
 On CPU the server runs from the SGLang virtual environment (scripts/setup_sglang.sh) with the import
 stand-ins of `cpu_stubs/` on its PYTHONPATH; the trainer only talks HTTP to it and never imports SGLang.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -68,6 +72,9 @@ class ServerConfig:
     """How long to wait for /health_generate before giving up."""
     log_dir: str | None = None
     """Where server logs go (one file per server); None: a fresh temporary folder."""
+    die_with_parent: bool = True
+    """Linux: SIGKILL the server when the thread that started it exits (start it from a thread that
+    lives as long as the server, e.g. the main thread). False: the server outlives its launcher."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -132,9 +139,11 @@ class SGLangServer:
             raise RuntimeError(f"server {self.url} already started")
         with open(self.log_path, "ab") as log:
             # Own session = own process group: stop() signals SGLang's children too.
+            die_with_parent = self.config.die_with_parent and sys.platform.startswith("linux")
             self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=_parent_death_kill(os.getpid()) if die_with_parent else None)
         self._started_at = time.monotonic()
         return self
 
@@ -203,6 +212,20 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _parent_death_kill(parent_pid: int):
+    """A preexec_fn: the kernel sends SIGKILL to the child when its parent (thread) dies."""
+    def preexec():
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(126)
+    return preexec
 
 
 def _group_alive(pgid: int) -> bool:

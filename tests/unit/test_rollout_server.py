@@ -1,6 +1,8 @@
 """Server management without SGLang: start-up failures carry the log tail; stop leaves no process."""
 import os
+import signal
 import stat
+import subprocess
 import sys
 import time
 
@@ -54,6 +56,36 @@ def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
     server.stop(grace_s=1.0)
     assert not _group_alive(pgid)
     assert time.monotonic() - start < 8
+
+
+LAUNCHER = """
+import sys, time
+from megatron_gspo.rollout.server import ServerConfig, SGLangServer
+server = SGLangServer(ServerConfig(model_path=sys.argv[1], python=sys.argv[2], log_dir=sys.argv[1],
+                                   die_with_parent=sys.argv[3] == "1")).start()
+print(server.process.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_a_killed_launcher_takes_its_server_along(tmp_path, die_with_parent):
+    # The trainer's rank 0 SIGKILLed (OOM, scancel -s KILL): its server must not live on as an orphan.
+    python = fake_python(tmp_path, "exec sleep 300\n")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), python, str(int(die_with_parent))],
+                                stdout=subprocess.PIPE, text=True)
+    server_pid = int(launcher.stdout.readline())
+    assert _group_alive(server_pid)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while _group_alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert _group_alive(server_pid) is not die_with_parent
+    finally:
+        if _group_alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
 
 
 def test_missing_sglang_python_is_a_clear_error(tmp_path):
