@@ -232,6 +232,7 @@ def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
         "sequences_empty": get("sequences_empty"),
         "sequences_nonfinite": get("sequences_nonfinite"),
         "response_tokens": get("tokens"),
+        **({"entropy": get("entropy_token_sum") / tokens} if "entropy_token_sum" in raw else {}),
     }
 
 

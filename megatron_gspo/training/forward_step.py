@@ -55,7 +55,7 @@ class LossSettings:
     """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
 
 
-def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Groups) -> torch.Tensor:
+def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Groups, *, with_entropy: bool = False):
     # inplace: the logits are the output layer's, read by nothing after this call (that layer's
     # backward needs its input and weight only), so they are overwritten and become their own
     # gradient buffer, as in Megatron's vocab_parallel_cross_entropy: no second logits-sized buffer.
@@ -64,9 +64,15 @@ def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Gro
     # it keeps the recomputed old log-probs on the very code path of the training forward, so that
     # they stay bitwise equal to it (the in-place forward's values equal the copy path's bit for
     # bit in our tests, but one code path for both needs no such argument on every device).
+    # with_entropy leaves the log-probs bitwise unchanged (tests/unit/test_logprobs.py).
     return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=groups.tp,
                                    temperature=settings.temperature, vocab_size=settings.vocab_size,
-                                   inplace=True)
+                                   with_entropy=with_entropy, inplace=True)
+
+
+def _entropy_sum(entropy_BS, batch: MicroBatch) -> torch.Tensor:
+    """Sum of the policy's entropy over this rank's response tokens (detached, float64)."""
+    return torch.where(batch.loss_mask_BS.bool(), entropy_BS.detach().double(), 0.0).sum()
 
 
 def _run_model(model, batch: MicroBatch):
@@ -75,18 +81,20 @@ def _run_model(model, batch: MicroBatch):
 
 
 def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_sequences: int,
-                        num_microbatches: int):
+                        num_microbatches: int, with_entropy: bool = False):
     """A forward step whose gradients are d(loss_sum / num_global_sequences)/d(theta) (see above).
 
     The data iterator yields full-length MicroBatch objects; this step takes its CP rank's part.
-    The logs dict carries the unscaled `loss_sum`, `num_sequences` and the policy-loss metrics.
+    The logs dict carries the unscaled `loss_sum`, `num_sequences` and the policy-loss metrics
+    (with_entropy: also `entropy_token_sum`, which costs the float32 backward one exp per logit).
     """
     if num_global_sequences < 1:
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
     scale = num_microbatches * groups.dp_size / num_global_sequences
 
     def loss_func(batch: MicroBatch, output_BSV):
-        logprobs_BS = _logprobs(output_BSV, batch, settings, groups)
+        out = _logprobs(output_BSV, batch, settings, groups, with_entropy=with_entropy)
+        logprobs_BS, entropy_BS = out if with_entropy else (out, None)
         rows, seq_len = logprobs_BS.shape
         advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
         loss_sum, num_sequences, metrics = policy_loss(
@@ -94,6 +102,8 @@ def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_se
             batch.loss_mask_BS.flatten(), torch.arange(rows + 1) * seq_len,
             algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
             cp_group=groups.cp)
+        if with_entropy:
+            metrics["entropy_token_sum"] = _entropy_sum(entropy_BS, batch)
         logs = {"loss_sum": loss_sum.detach(), "num_sequences": num_sequences, "metrics": metrics}
         return loss_sum * scale, logs
 
@@ -105,11 +115,14 @@ def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_se
 
 
 def logprobs_forward_step(settings: LossSettings, *, groups: Groups):
-    """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32)."""
+    """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
+    the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward)."""
 
     def loss_func(batch: MicroBatch, output_BSV):
-        logprobs_BS = _logprobs(output_BSV, batch, settings, groups)
-        return output_BSV.new_zeros(()), {"logprobs": logprobs_BS.detach()}
+        logprobs_BS, entropy_BS = _logprobs(output_BSV, batch, settings, groups, with_entropy=True)
+        return output_BSV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
+                                          "entropy_token_sum": _entropy_sum(entropy_BS, batch),
+                                          "response_tokens": batch.loss_mask_BS.bool().sum().double()}
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator).for_cp_rank(group_size(groups.cp), group_rank(groups.cp))

@@ -56,6 +56,7 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     Keys: loss (-J of the mini-batch), clipped_fraction_seq / _token, ratio_mean / _min / _max (s_i),
     abs_log_ratio_per_token / _per_seq (|log ratio| vs. pi_old), train_rollout_abs_delta_token / _seq
     (|Megatron - rollout| log-prob: every step with recompute, step 1 with rollout log-probs),
+    entropy (token mean of the policy's entropy over the mini-batch, before its update),
     rollout_nonfinite_tokens, response_tokens, sequences, sequences_empty / _nonfinite, grad_norm, lr,
     update_successful, microbatches, train_time_s, recompute_time_s.
     """
@@ -80,7 +81,9 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     records = []
     for k, mini in enumerate(packed):
         start = time.perf_counter()
-        record = _optimizer_step(model, optimizer, mini, settings.loss, groups)
+        # The policy's entropy comes with the recompute pass; without one, from the training forward.
+        record = _optimizer_step(model, optimizer, mini, settings.loss, groups,
+                                 with_entropy=settings.old_logprobs == "rollout")
         if scheduler is not None:
             scheduler.step(1)
         record["train_time_s"] = time.perf_counter() - start
@@ -119,19 +122,22 @@ def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, gr
     outputs = _run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return _from_last_stage({})
-    sums = torch.zeros(5, dtype=torch.float64)  # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite
+    # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
+    sums = torch.zeros(7, dtype=torch.float64)
     for i, (mb, out) in enumerate(zip(mini.micro_batches, outputs)):
         logprobs_BS = gather_from_cp(out["logprobs"], groups.cp)
         mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
         if mini.rollout_logprobs and group_rank(groups.cp) == 0:
-            sums += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
-    if not mini.rollout_logprobs:
-        return _from_last_stage({})
+            sums[:5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
+        sums[5:] += torch.stack([out["entropy_token_sum"], out["response_tokens"]])
     dist.all_reduce(sums, group=_dp_cp_group())
-    abs_token, tokens, abs_seq, seqs, nonfinite = sums.tolist()
-    return _from_last_stage({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
-                             "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
-                             "rollout_nonfinite_tokens": nonfinite})
+    abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = sums.tolist()
+    values = {"entropy": entropy_sum / max(entropy_tokens, 1.0)}
+    if mini.rollout_logprobs:
+        values.update({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
+                       "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
+                       "rollout_nonfinite_tokens": nonfinite})
+    return _from_last_stage(values)
 
 
 def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
@@ -146,14 +152,15 @@ def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
                         has.sum().double(), (mask_BS.bool() & ~finite_BS).sum().double()])
 
 
-def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, groups: Groups) -> dict:
+def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, groups: Groups, *,
+                    with_entropy: bool = False) -> dict:
     from megatron.core import parallel_state as ps
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_step = policy_forward_step(loss, groups=groups, num_global_sequences=mini.num_global_sequences,
-                                       num_microbatches=mini.num_microbatches)
+                                       num_microbatches=mini.num_microbatches, with_entropy=with_entropy)
     outputs = _run_schedule(model, mini, forward_step, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     loss_metrics = {}

@@ -6,7 +6,7 @@ import pytest
 from megatron_gspo.parallel.launch import torchrun
 
 WORKER = "tests/distributed/workers/train_step.py"
-CHECKS = ("microbatch invariance", "on-policy first mini-batch", "train-rollout gap", "loss decreases")
+CHECKS = ("microbatch invariance", "on-policy first mini-batch", "train-rollout gap", "loss decreases", "entropy")
 
 # name: (tp, pp, ep, model, cp)
 LAYOUTS = {

@@ -98,6 +98,26 @@ def main():
     assert history[-1] >= bound - 1e-6, (history, bound)
     say("OK loss decreases")
 
+    # 5. Entropy: the recompute pass and the training forward (rollout mode) report the same token
+    #    mean at the same weights (lr 0 keeps them), and it lies in (0, log V].
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1))[0]["entropy"]
+    from_training = train_on_batch(model, optimizer, fixed, wide)[0]["entropy"]
+    assert abs(from_recompute - from_training) <= 1e-6 * from_recompute, (from_recompute, from_training)
+    assert 0.0 < from_recompute <= math.log(shape.vocab_size), from_recompute
+    if tp == pp == cp == 1:  # every rank holds the whole model: a float64 reference from the logits
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for r in fixed:
+                ids = torch.tensor([r.prompt_ids + r.response_ids])
+                logits = model[0](ids, torch.arange(ids.shape[1])[None], None)[0, :, :shape.vocab_size].double()
+                logp = torch.log_softmax(logits / loss.temperature, -1)[len(r.prompt_ids) - 1:-1]
+                total += float(-(logp.exp() * logp).sum())
+                count += len(r.response_ids)
+        assert abs(from_recompute - total / count) <= 1e-5 * from_recompute, (from_recompute, total / count)
+    say(f"OK entropy {from_recompute:.6f} (recompute) vs {from_training:.6f} (training forward)")
+
 
 if __name__ == "__main__":
     main()
