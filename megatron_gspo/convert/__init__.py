@@ -3,6 +3,7 @@
 - `hf_config`: config.json -> `Qwen3Shape` (refusing what the model cannot represent).
 - `mapping`: the one declarative HF <-> Megatron table, its inverse, and the fused layouts.
 - `hf_to_mcore` / `mcore_to_hf`: streaming converters between safetensors and torch_dist.
+- `safetensors_io` / `dcp_io`: the two formats, one tensor at a time (`mapped`: file bytes as tensors, no copy).
 - `export`: HF-named full tensors from a live, sharded Megatron model (for weight sync).
 - `load`: a converted checkpoint's weights into this rank's model chunks, any layout.
 - `parity`: per-token log-probs of transformers vs the Megatron model (tools/check_hf_mcore_parity.py).

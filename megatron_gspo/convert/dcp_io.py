@@ -8,15 +8,24 @@ What `dist_checkpointing.save` (megatron-core 0.16) writes, and what its `load` 
   __R_F.distcp    the chunks' bytes (each tensor a torch.save record).
 `dist_checkpointing.save` gathers the whole state dict first; a model that does not fit in memory
 cannot go through it. `StreamingDcpWriter` instead drives torch's own `FileSystemWriter.write_data`
-(so the data files are what DCP writes) with one plan per group of tensors, each tensor produced
-only when the writer asks for it, and writes `.metadata` once at the end from the chunks it
-recorded (torch's private `_StoragePrefix` names the data files; `_create_file_view` reads one). No process group is needed. `DcpRegionReader` reads any region of a key
-(e.g. one layer of a stacked key) from whatever chunks it was saved in, with torch's reader.
+(so the data files are what DCP writes) with one plan per group of tensors, and writes `.metadata`
+once at the end from the chunks it recorded (torch's private `_StoragePrefix` names the data files;
+`_create_file_view` reads one). No process group is needed. `DcpRegionReader` reads any region of
+a key (e.g. one layer of a stacked key) from whatever chunks it was saved in, with torch's reader.
+
+Throughput (benchmarks/convert.py): the writer thread only writes. A group's tensors are produced
+(read, fused) by a background thread in the order the writer asks for them, so reading overlaps the
+disk writes; the records are written without their zip CRC32 (`torch.load`, hence every DCP and
+Megatron reader, never checks it; computing it cost ~10% of the conversion); and data files are
+fsynced once, in `finish`, instead of each one stalling the writer when it is complete.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +37,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.planner import TensorWriteData
+from torch.utils.serialization import config as serialization_config
+
+from megatron_gspo.convert.mapped import map_bytes
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -38,15 +50,17 @@ COMMON_STATE = {"checkpoint_version": 3.0, "iteration": 0}
 class StreamingDcpWriter:
     """Writes a torch_dist checkpoint in groups of tensors, each group one data file.
 
-    A tensor is produced (its `produce()` called) only when its bytes are written; torch's writer
-    keeps the produced tensors of a file until the file is complete (filesystem.py,
-    `_write_files_from_queue`), so a group's size bounds the memory.
+    A group's tensors are produced (their `produce()` called) one after the other by a background
+    thread while the writer writes the ones before them. torch's writer keeps the tensors of a file
+    until the file is complete (filesystem.py, `_write_files_from_queue`), so a group's size bounds
+    the memory, however far the production runs ahead within the group.
     """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=False)
-        self.writer = FileSystemWriter(self.directory, single_file_per_rank=True, thread_count=1, sync_files=True)
+        # sync_files=False: `finish` fsyncs every file once, at the end.
+        self.writer = FileSystemWriter(self.directory, single_file_per_rank=True, thread_count=1, sync_files=False)
         self.state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         self.results = []
         self.groups = 0
@@ -81,24 +95,40 @@ class StreamingDcpWriter:
             producers[index] = (obj, None, None)
         plan = SavePlan(items, storage_data=_StoragePrefix(f"__{self.groups}_"))
         self.groups += 1
-        results = self.writer.write_data(plan, _Producer(producers)).wait()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-produce")
+        try:
+            # Patched settings are thread-local: only torch.save calls made by this thread skip the CRC.
+            with serialization_config.patch({"save.compute_crc32": False}):
+                results = self.writer.write_data(plan, _Producer(producers, pool)).wait()
+        finally:
+            pool.shutdown(cancel_futures=True)  # after a failure, nothing more is read
         self.bytes_written += sum(r.size_in_bytes for r in results)
         self.results.append(results)
 
     def finish(self, common_state: dict = COMMON_STATE) -> None:
-        """`.metadata`, common.pt and metadata.json; call once, after every group is written."""
+        """`.metadata`, common.pt and metadata.json, then every file fsynced; call once, after every
+        group is written."""
         self.writer.set_up_storage_writer(True)
         self.writer.finish(Metadata(self.state_dict_metadata), self.results)
         torch.save(common_state, self.directory / "common.pt")
         with open(self.directory / "metadata.json", "w") as f:
             json.dump(METADATA_JSON, f)
+        for path in sorted(self.directory.iterdir()):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 class _Producer:
-    """The part of a SavePlanner that `FileSystemWriter.write_data` calls: data for a write item."""
+    """The part of a SavePlanner that `FileSystemWriter.write_data` calls: data for a write item.
 
-    def __init__(self, producers):
+    Every tensor is submitted to `pool` (one thread) at once, in the plan's order, which is the order
+    the writer asks for them (single thread, `_SerialCpuLoader`).
+    """
+
+    def __init__(self, producers, pool: ThreadPoolExecutor):
         self.producers = producers
+        self.futures = {index: pool.submit(produce) for index, (produce, sizes, _) in producers.items()
+                        if sizes is not None}
 
     def resolve_data(self, write_item: WriteItem):
         produce, sizes, dtype = self.producers.pop(write_item.index)
@@ -106,7 +136,7 @@ class _Producer:
             buffer = io.BytesIO()
             torch.save(produce, buffer)
             return buffer
-        tensor = produce()
+        tensor = self.futures.pop(write_item.index).result()
         if tuple(tensor.shape) != sizes or tensor.dtype != dtype:
             raise ValueError(f"{write_item.index.fqn}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                              f"expected {sizes} {dtype}")
@@ -152,11 +182,24 @@ class DcpRegionReader:
                 and self.reader.storage_data[read_item.storage_index].transform_descriptors is None)
 
     def _load_chunk(self, read_item) -> torch.Tensor:
-        """A stored chunk loaded as it is: what `FileSystemReader.read_data` does, without copying
-        it into a destination tensor (one pass over the bytes fewer)."""
+        """A stored chunk as it is, its bytes mapped from the data file, not copied (`FileSystemReader.read_data`
+        would read them into a new tensor, then copy that into a destination tensor).
+
+        Loading the record with map_location="meta" reads only its pickle and zip directory: the
+        storage's `_checkpoint_offset` says where its bytes are (what torch's own
+        distributed/checkpoint/_experimental/checkpoint_reader.py reads them with).
+        """
         info = self.reader.storage_data[read_item.storage_index]
-        with open(self.directory / info.relative_path, "rb") as f:
-            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        path = self.directory / info.relative_path
+        with open(path, "rb") as f:
+            meta = torch.load(_create_file_view(f, info.offset, info.length), map_location="meta", weights_only=True)
+        storage = meta.untyped_storage()
+        # The bytes are used as stored: right for records saved on a little-endian machine, read on one.
+        if storage._checkpoint_offset is None or sys.byteorder != "little":
+            with open(path, "rb") as f:
+                return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        data = map_bytes(path, info.offset + storage._checkpoint_offset, storage.nbytes()).view(meta.dtype)
+        return data.as_strided(meta.shape, meta.stride(), meta.storage_offset())
 
 
 class _Receiver:

@@ -8,9 +8,11 @@ gated fc1 (gate and up halves sharded separately: Megatron's swiglu factory), or
 holds an expert, or which PP stage holds a layer.
 
 Collective: every rank of the default process group must iterate the generator to the end, in
-step. Each piece is broadcast from the rank holding it (its main replica) to all ranks, so every
-rank yields the same (name, tensor) sequence; a rank that does not need them just drops them.
-Memory: one full HF tensor per rank at a time (plus its pieces), never the model.
+step. By default each piece is broadcast from the rank holding it (its main replica) to all ranks,
+so every rank yields the same (name, tensor) sequence; a rank that does not need them just drops
+them. With `dst=` only that rank assembles and yields the tensors: each piece is sent to it alone
+(point to point), and the other ranks yield nothing, only sending their pieces as the walk goes.
+Memory: one full HF tensor at a time (plus its pieces) per yielding rank, never the model.
 """
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ def _as_tuple(replica_id) -> tuple:
     return replica_id if isinstance(replica_id, tuple) else (replica_id,)
 
 
-def iter_hf_tensors(model_chunks, shape: Qwen3Shape) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model_chunks, shape: Qwen3Shape, *, dst: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every tensor of the HF checkpoint of `shape`, in the
-    table's order, on every rank. Collective over the default process group (see module doc).
+    table's order, on every rank, or with `dst` on that global rank only (the others yield nothing).
+    Collective over the default process group (see module doc).
 
     model_chunks: this rank's model chunks (GPTModel or DDP-wrapped), as `build_model` returns.
     Tensors are in the model's dtype, on the current CUDA device (CPU without CUDA); the padded
@@ -73,27 +76,37 @@ def iter_hf_tensors(model_chunks, shape: Qwen3Shape) -> Iterator[tuple[str, torc
         key = item.entry.mcore
         if key not in owners:
             raise KeyError(f"no rank holds {key!r}: is the model built for {shape}?")
-        parts = mapping.hf_shapes(shape, item)  # HF parts share their trailing dims
-        fused = (sum(p[0] for p in parts),) + parts[0][1:]
+        fused = mapping.fused_shape(shape, item)
         offsets = tuple(item.index) + (0,) * len(fused)
         sizes = (1,) * len(item.index) + fused
-        out = torch.empty(sizes, dtype=owners[key][0][3], device=device)
+        assemble = dst is None or dst == me
+        out = torch.empty(sizes, dtype=owners[key][0][3], device=device) if assemble else None
         filled = 0
-        for rank, piece_offsets, piece_sizes, _ in owners[key]:
+        for rank, piece_offsets, piece_sizes, dtype in owners[key]:
             overlap = _overlap(offsets, sizes, piece_offsets, piece_sizes)
             if overlap is None:
                 continue
             start, length = overlap
-            buffer = torch.empty(length, dtype=out.dtype, device=device)
+            filled += torch.Size(length).numel()
+            if not assemble and rank != me:
+                continue  # neither sends nor receives this piece
+            buffer = torch.empty(length, dtype=dtype, device=device)
             if rank == me:
                 buffer.copy_(_narrow(local_data[(key, piece_offsets)],
                                      [s - p for s, p in zip(start, piece_offsets)], length))
-            dist.broadcast(buffer, src=rank)
-            _narrow(out, [s - o for s, o in zip(start, offsets)], length).copy_(buffer)
-            filled += buffer.numel()
-        if filled != out.numel():
-            raise RuntimeError(f"{key} at {item.index}: the model's shards cover {filled} of {out.numel()} elements")
-        yield from zip(item.hf_names, mapping.split(shape, item.entry.layout, out.view(fused)))
+            if dst is None:
+                dist.broadcast(buffer, src=rank)
+            elif rank != dst and rank == me:
+                dist.send(buffer, dst)
+            elif rank != dst:
+                dist.recv(buffer, rank)
+            if assemble:
+                _narrow(out, [s - o for s, o in zip(start, offsets)], length).copy_(buffer)
+        if filled != torch.Size(sizes).numel():
+            raise RuntimeError(f"{key} at {item.index}: the model's shards cover {filled} of "
+                               f"{torch.Size(sizes).numel()} elements")
+        if assemble:
+            yield from zip(item.hf_names, mapping.split(shape, item.entry.layout, out.view(fused)))
 
 
 def _overlap(a_off, a_size, b_off, b_size):

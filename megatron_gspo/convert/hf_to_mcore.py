@@ -9,10 +9,13 @@ TP/EP/PP layout. The vocabulary is stored unpadded ([vocab_size, H]): Megatron m
 and output layer `allow_shape_mismatch` (tensor_parallel/layers.py:317, language_module.py:302) and
 loads a smaller stored tensor into its zero-initialised padded one, so the padding rows come out 0.
 
-Memory: the writer asks for one Megatron tensor at a time (one layer's fused QKV, one expert's
-fc1), built from its HF tensors when its bytes are written. torch's DCP writer keeps a data file's
-tensors until the file is complete, so data files are cut at `group_bytes` (512 MB): the peak is
-about max(group_bytes, the largest tensor) plus that tensor's HF parts, whatever the model's size.
+Memory: Megatron tensors (one layer's fused QKV, one expert's fc1) are built from their HF tensors
+one at a time, a little ahead of the writer (dcp_io.StreamingDcpWriter). torch's DCP writer keeps
+a data file's tensors until the file is complete, so data files are cut at `group_bytes` (512 MB):
+the peak is about max(group_bytes, the largest tensor) plus that tensor's HF parts, whatever the
+model's size. Tensors stored in the HF file as Megatron stores them (every expert's fc1, as gate
+and up are stored back to back, fc2, norms, embeddings) are not copied at all: they are mapped
+from the safetensors file and written from the page cache (safetensors_io.SafetensorsReader.map).
 """
 from __future__ import annotations
 
@@ -126,21 +129,27 @@ def _groups(requests, group_bytes: int):
 def _tensor_request(shape: Qwen3Shape, reader: SafetensorsReader, item: Item):
     names = item.hf_names
     infos = [reader.tensors[n] for n in names]
-    # The fused shape, computed on meta tensors (no data).
-    fused_shape = mapping.fuse(shape, item.entry.layout, [torch.empty(i.shape, device="meta") for i in infos]).shape
+    fused_shape = mapping.fused_shape(shape, item)  # the HF shapes were checked against the config
     lead = len(item.index)
     global_shape = mapping.stacked_shape(shape, item.entry, fused_shape)
     offsets = tuple(item.index) + (0,) * len(fused_shape)
     sizes = (1,) * lead + tuple(fused_shape)
 
     def produce():
+        if item.entry.layout is not Layout.QKV:
+            # One tensor, or gate and up (the two halves of fc1) stored back to back, as HF checkpoints
+            # store them: written straight from the mapped file, no copy.
+            mapped = reader.map(names)
+            if mapped is not None:
+                return mapped.view(sizes)
         if item.entry.layout is Layout.GLU:
-            # gate and up are the two contiguous halves of fc1: read them in place, no concatenation.
+            # gate and up stored apart: each read straight into its half of fc1.
             fused = torch.empty(fused_shape, dtype=infos[0].dtype)
             for name, half in zip(names, fused.chunk(2)):
                 reader.read(name, out=half)
-        else:
-            fused = mapping.fuse(shape, item.entry.layout, [reader.read(n) for n in names])
+        else:  # QKV: one copy, interleaving the mapped q, k and v per query group
+            parts = [reader.map((name,)).view(info.shape) for name, info in zip(names, infos)]
+            fused = mapping.fuse(shape, item.entry.layout, parts)
         return fused.view(sizes)
 
     return item.entry.mcore, global_shape, offsets, sizes, infos[0].dtype, produce

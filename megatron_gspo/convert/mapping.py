@@ -168,6 +168,13 @@ def hf_shapes(shape: Qwen3Shape, item: Item) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(DIMS[d](shape) for d in spec.split()) for spec in item.entry.dims)
 
 
+def fused_shape(shape: Qwen3Shape, item: Item) -> tuple[int, ...]:
+    """The shape of `item`'s Megatron tensor (unstacked): its HF parts, which share their trailing
+    dims, one after the other along the first (every layout fuses along it)."""
+    parts = hf_shapes(shape, item)
+    return (sum(p[0] for p in parts),) + parts[0][1:]
+
+
 def fuse(shape: Qwen3Shape, layout: Layout, parts: list[torch.Tensor]) -> torch.Tensor:
     """The Megatron tensor made of the HF `parts` (a new tensor, or the one part for COPY)."""
     if layout is Layout.COPY:

@@ -6,16 +6,22 @@ Megatron saved at any TP/EP/PP layout (chunks are reassembled by `DcpRegionReade
 vocabulary is cut back to the config's `vocab_size`. Tensors keep their stored dtype.
 
 Memory: shards are planned (names, shapes, dtypes) before any data is read, their headers written
-first, and each tensor is read, split into its HF parts, written and dropped; the next tensor is
-read meanwhile, so at most two Megatron tensors (the largest: the embedding) are in memory.
+first, and each tensor is read, split into its HF parts, written and dropped. A tensor stored whole
+is mapped from its data file rather than copied (dcp_io.DcpRegionReader), and its HF parts that are
+contiguous slices of it (gate and up, every one-to-one tensor) are written from those pages
+directly. The next tensors (`READ_AHEAD_BYTES`, at least one) are read meanwhile: mapped ones only
+into the page cache. So about two of the largest tensors (the embedding) are in memory at most,
+plus the read-ahead where a checkpoint chunked differently must be reassembled by copying.
 """
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from megatron_gspo.convert import mapping
@@ -27,6 +33,7 @@ from megatron_gspo.convert.safetensors_io import INDEX_FILE, ShardWriter, plan_s
 from megatron_gspo.model.gpt import Qwen3Shape
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
+READ_AHEAD_BYTES = 256 << 20
 # Weight files are what we write; everything else in --hf-config (config, tokenizer, chat template,
 # generation config) is copied as it is.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -57,9 +64,11 @@ def convert_mcore_to_hf(mcore: str | Path, hf_config: str | Path, out: str | Pat
     specs = [(name, hf_shape, reader.tensor_metadata(item.entry.mcore).properties.dtype)
              for item, parts in plan for name, hf_shape in parts]
     shards = plan_shards(specs, max_shard_bytes)
-    # HF tensors in write order; the next Megatron tensor is read while the current one is written.
+    # HF tensors in write order; the next Megatron tensors are read while the current one is written.
+    item_bytes = [sum(torch.Size(hf_shape).numel() for _, hf_shape in parts)
+                  * reader.tensor_metadata(item.entry.mcore).properties.dtype.itemsize for item, parts in plan]
     tensors = (part for parts in _prefetch(lambda item: zip(item.hf_names, _read_item(shape, reader, item)),
-                                           [item for item, _ in plan])
+                                           [item for item, _ in plan], item_bytes)
                for part in parts)
 
     with staged_output(out) as staging:
@@ -84,16 +93,22 @@ def convert_mcore_to_hf(mcore: str | Path, hf_config: str | Path, out: str | Pat
     return shape
 
 
-def _prefetch(fn, items):
-    """fn(item) for each item in order, computing the next one (in a thread) while the caller
-    uses the current one: reading overlaps writing, at the cost of one more tensor in memory."""
+def _prefetch(fn, items, item_bytes, ahead_bytes: int = READ_AHEAD_BYTES):
+    """fn(item) for each item in order, computed in a thread ahead of the caller, up to
+    `ahead_bytes` of items (at least the next one): reading overlaps writing. A tensor mapped from
+    its file costs no memory until its pages are used (they are only read ahead into the page
+    cache); one read into memory (a region of a differently chunked checkpoint) costs its size."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        items = iter(items)
-        current = next((pool.submit(fn, item) for item in items), None)
-        while current is not None:
-            following = next((pool.submit(fn, item) for item in items), None)
-            yield current.result()
-            current = following
+        pending, queued = collections.deque(), 0
+        for item, nbytes in zip(items, item_bytes):
+            pending.append((pool.submit(fn, item), nbytes))
+            queued += nbytes
+            while len(pending) > 1 and queued - pending[-1][1] >= ahead_bytes:
+                future, done = pending.popleft()
+                queued -= done
+                yield future.result()
+        while pending:
+            yield pending.popleft()[0].result()
 
 
 def _region(shape: Qwen3Shape, item: Item, reader: DcpRegionReader):

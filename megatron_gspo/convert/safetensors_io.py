@@ -2,10 +2,12 @@
 
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length N,
 N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {...}}, then the
-data, offsets relative to its start. We parse the header ourselves and read each tensor with one
-`readinto` into a fresh tensor: no memory map, so resident memory is the tensor being converted,
-not the pages of a multi-GB shard that a mapping would leave behind. Writing, the header is computed
-from the planned (name, shape, dtype) list before any data, so a 5 GB shard never sits in memory.
+data, offsets relative to its start. We parse the header ourselves. `read` copies a tensor into a
+fresh one with one `readinto`; `map` maps just the bytes of a run of tensors (never a whole shard),
+so a tensor that is written out as it is stored costs no copy: the page cache's pages are written
+from directly, and they leave the process's memory when the tensor is dropped. Writing, the header
+is computed from the planned (name, shape, dtype) list before any data, so a 5 GB shard never sits
+in memory.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from megatron_gspo.convert.mapped import map_bytes
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -87,6 +91,17 @@ class SafetensorsReader:
             if f.readinto(out.view(-1).view(torch.uint8).numpy()) != info.nbytes:
                 raise ValueError(f"{info.file}: short read of tensor {name!r}")
         return out.view(info.shape)
+
+    def map(self, names: tuple[str, ...]) -> torch.Tensor | None:
+        """Tensors `names`, if stored back to back in this order in one file and of one dtype, as one
+        flat tensor of that dtype backed by a private mapping of their bytes (no copy); else None.
+        Writing to it never changes the file."""
+        infos = [self.tensors[n] for n in names]
+        first = infos[0]
+        for before, after in zip(infos, infos[1:]):
+            if (after.file, after.dtype, after.start) != (first.file, first.dtype, before.start + before.nbytes):
+                return None
+        return map_bytes(first.file, first.start, sum(i.nbytes for i in infos)).view(first.dtype)
 
 
 def plan_shards(specs: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int):

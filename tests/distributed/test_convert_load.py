@@ -5,7 +5,7 @@ True (4 layers, saved in shards) and False, and a dense Qwen3 with tied embeddin
 once here; transformers' float32 per-token log-probs on 2 x 128 random tokens are the reference.
 Per (checkpoint, layout) the worker loads the converted checkpoint with `dist_checkpointing.load`,
 checks log-probs within 1e-4 (measured ~2e-6) and that `iter_hf_tensors` gives back the HF tensors
-bitwise (tests/distributed/workers/convert_load.py). The 4-process launch also has Megatron save
+bitwise, on every rank and with `dst=` on one rank only (tests/distributed/workers/convert_load.py). The 4-process launch also has Megatron save
 the model itself at TP2xEP2 and exports that checkpoint bitwise. ~15 s and ~20 s on a quiet machine.
 Not covered: dense_tied at PP2 (Megatron's tied-embedding set-up calls .cuda() under PP,
 language_module.py:244, which the CPU patches do not cover).

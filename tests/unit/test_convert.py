@@ -96,6 +96,33 @@ def test_round_trip_is_bitwise(hf, tmp_path, name):
     assert leftovers(tmp_path) == []
 
 
+def test_round_trip_with_tensors_stored_in_any_order(hf, tmp_path):
+    """HF checkpoints usually store each gate_proj right before its up_proj (fc1 is then written
+    from the mapped file as it is); stored in reverse order, fc1 must be assembled, with the same result."""
+    from megatron_gspo.convert.safetensors_io import ShardWriter
+
+    reversed_dir = tmp_path / "reversed"
+    reversed_dir.mkdir()
+    shutil.copy(hf["moe_bf16"] / "config.json", reversed_dir)
+    original = read_all(hf["moe_bf16"])
+    names = sorted(original, reverse=True)
+    writer = ShardWriter(reversed_dir / "model.safetensors", [(n, tuple(original[n].shape), original[n].dtype)
+                                                              for n in names])
+    for name in names:
+        writer.write(name, original[name])
+    writer.close()
+    reader = SafetensorsReader(reversed_dir)
+    gate, up = (f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up"))
+    assert reader.map((gate, up)) is None and reader.map((up, gate)) is not None
+
+    convert_hf_to_mcore(reversed_dir, tmp_path / "mcore", progress=False)
+    convert_mcore_to_hf(tmp_path / "mcore", reversed_dir, tmp_path / "back", progress=False)
+    back = read_all(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(back[key].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), key
+
+
 def test_exported_checkpoint_loads_in_transformers(hf, tmp_path):
     convert_hf_to_mcore(hf["moe_fp32_sharded"], tmp_path / "mcore", progress=False)
     convert_mcore_to_hf(tmp_path / "mcore", hf["moe_fp32_sharded"], tmp_path / "back", progress=False)
@@ -201,14 +228,16 @@ def test_existing_output_directory_is_refused(hf, tmp_path):
 def test_failure_midway_leaves_nothing(hf, tmp_path, monkeypatch):
     reads = []
 
-    def failing_read(self, name, out=None):
-        reads.append(name)
-        if len(reads) == 20:
-            raise OSError(f"disk error reading {name}")
-        return original_read(self, name, out)
+    def failing(original):  # the 20th access to tensor data, whether copied (read) or mapped (map)
+        def access(self, names, *args, **kwargs):
+            reads.append(names)
+            if len(reads) == 20:
+                raise OSError(f"disk error reading {names}")
+            return original(self, names, *args, **kwargs)
+        return access
 
-    original_read = SafetensorsReader.read
-    monkeypatch.setattr(SafetensorsReader, "read", failing_read)
+    for method in ("read", "map"):
+        monkeypatch.setattr(SafetensorsReader, method, failing(getattr(SafetensorsReader, method)))
     with pytest.raises(OSError, match="disk error"):
         convert_hf_to_mcore(hf["moe_bf16"], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -9,7 +9,8 @@ full model) or parts joined by "x" among tp2, pp2, ep2. For each pair, on every 
      (`load_weights`: `dist_checkpointing.load` of exactly the keys the model asks for);
   2. per-token log-probs (the training forward step: `vocab_parallel_logprobs` on vocab-sharded
      logits, last pipeline stage) match transformers' within 1e-4;
-  3. `iter_hf_tensors` yields every HF tensor of the checkpoint, bitwise equal, on every rank.
+  3. `iter_hf_tensors` yields every HF tensor of the checkpoint, bitwise equal, on every rank, and
+     with dst=<last rank> on that rank only.
 parity=KIND:LAYOUT runs `check_parity` (the library behind tools/check_hf_mcore_parity.py).
 --resave (with the model and layout of the pair before it): Megatron saves the loaded model itself
 (sharded in that layout, vocabulary padded), and rank 0 exports it with `convert_mcore_to_hf`:
@@ -81,6 +82,16 @@ def check(workdir: Path, kind: str, layout_name: str):
             f"{where} exported {name} differs from the HF checkpoint"
         seen.add(name)
     assert seen == set(hf.tensors), f"{where} exported names differ: {sorted(seen ^ set(hf.tensors))[:5]}"
+    # Only the last rank assembles (point to point); the others yield nothing.
+    last = dist.get_world_size() - 1
+    exported = dict(iter_hf_tensors(model, shape, dst=last))
+    if dist.get_rank() == last:
+        assert exported.keys() == hf.tensors.keys(), f"{where} dst export: names differ"
+        for name, tensor in exported.items():
+            assert tensor.dtype == hf.tensors[name].dtype and torch.equal(tensor, hf.read(name)), \
+                f"{where} dst export: {name} differs from the HF checkpoint"
+    else:
+        assert exported == {}, f"{where} a rank other than dst yielded {len(exported)} tensors"
     print(f"OK {kind}:{layout_name} rank {dist.get_rank()} load + export of {len(seen)} tensors bitwise{report}")
     return module
 
