@@ -2,8 +2,16 @@
 
 A group whose G rewards are all equal has zero advantage for every sample (GSPO eq. 6): it costs a
 forward/backward and teaches nothing. With `drop_zero_variance=True` such groups are dropped and
-more prompts are rolled out (over-sampling by `oversample`) until the batch has `num_groups` groups
-with signal; what was dropped is reported, never hidden.
+more prompts are rolled out until the batch has `num_groups` groups with signal. The first round asks
+for ceil(missing * oversample) prompts; later rounds divide that by the fraction of groups that had
+signal so far in this call (a policy that is right, or wrong, on almost every prompt needs many
+prompts per kept group), at most `max_prompts_per_round` prompts a round. After `max_rounds` rounds
+the batch is topped up with dropped zero-signal groups (zero advantage: they change no weight) instead
+of failing: late in a run, when nearly every prompt is solved, that is the normal case.
+
+What was dropped, padded and left over is reported, never hidden, and `ScoredBatch.metrics()` gives
+the reward of *every* generated sample: the kept groups all have signal, so their mean reward is pulled
+towards the middle and is not the policy's reward.
 """
 from __future__ import annotations
 
@@ -25,19 +33,49 @@ class PromptsExhausted(RuntimeError):
 @dataclass
 class ScoredBatch:
     groups: list[list[Sample]]
-    """Exactly `num_groups` groups of G scored samples, in generation order."""
+    """Exactly `num_groups` groups of G scored samples: kept groups in generation order, then any
+    padding groups."""
     dropped_group_ids: list[int] = field(default_factory=list)
-    """Zero-variance groups that dynamic sampling dropped."""
+    """Zero-variance groups that dynamic sampling dropped (including those later used as padding)."""
+    padded_group_ids: list[int] = field(default_factory=list)
+    """Dropped zero-variance groups put back to fill the batch after `max_rounds` rounds."""
     surplus_group_ids: list[int] = field(default_factory=list)
     """Groups with signal generated beyond `num_groups` by over-sampling (not used)."""
     rounds: int = 0
     """Generate calls made."""
     rollout_stats: list = field(default_factory=list)
     """What each generate call returned besides the groups (RolloutStats for the HTTP client)."""
+    generated_rewards: list[list[float]] = field(default_factory=list)
+    """The rewards of every generated group (kept, dropped or surplus), in generation order."""
 
     @property
     def num_dropped(self) -> int:
         return len(self.dropped_group_ids)
+
+    def metrics(self) -> dict[str, float]:
+        """The policy's reward over every sample generated this step, and the trained batch's.
+
+        reward_mean / reward_std / zero_signal_group_fraction: over all generated samples and groups
+        (what the policy does; equal to the trained batch's without dynamic sampling).
+        reward_mean_trained / zero_signal_group_fraction_trained: over the groups that train.
+        """
+        flat = [r for group in self.generated_rewards for r in group]
+        n = max(len(flat), 1)
+        mean = sum(flat) / n
+        trained = [s.reward for group in self.groups for s in group]
+        zero = sum(not _varies(group) for group in self.generated_rewards)
+        return {"reward_mean": mean,
+                "reward_std": math.sqrt(sum((r - mean) ** 2 for r in flat) / n),
+                "zero_signal_group_fraction": zero / max(len(self.generated_rewards), 1),
+                "reward_mean_trained": sum(trained) / max(len(trained), 1),
+                "zero_signal_group_fraction_trained":
+                    sum(not has_signal(g) for g in self.groups) / max(len(self.groups), 1),
+                "rollout_groups_generated": float(len(self.generated_rewards)),
+                "dynamic_sampling_padded_groups": float(len(self.padded_group_ids))}
+
+
+def _varies(rewards: Sequence[float]) -> bool:
+    return max(rewards) != min(rewards)
 
 
 def has_signal(group: Sequence[Sample]) -> bool:
@@ -45,27 +83,44 @@ def has_signal(group: Sequence[Sample]) -> bool:
     rewards = [s.reward for s in group]
     if any(r is None for r in rewards):
         raise ValueError(f"group {group[0].group_id} has unscored samples")
-    return max(rewards) != min(rewards)
+    return _varies(rewards)
 
 
 async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt], num_groups: int,
                                 reward_fn: RewardFn, *, drop_zero_variance: bool = False,
-                                oversample: float = 1.5, max_rounds: int = 10,
+                                oversample: float = 1.5, max_rounds: int = 4,
+                                max_prompts_per_round: int | None = None,
                                 reward_timeout_s: float = 10.0) -> ScoredBatch:
     """Roll out, score and (optionally) filter groups until `num_groups` are kept.
 
-    Each round asks for ceil(missing * oversample) prompts (only `missing` without dynamic sampling).
-    Raises PromptsExhausted if the prompts run out, RuntimeError after max_rounds rounds.
+    Without dynamic sampling: one round of `num_groups` prompts. With it: round 1 asks for
+    ceil(missing * oversample) prompts, later rounds for ceil(missing * oversample / f), f = the
+    fraction of this call's groups that had signal (at least 1/16), capped at max_prompts_per_round
+    (default 4 * num_groups); after max_rounds rounds, dropped groups pad the batch (latest first).
+    Raises PromptsExhausted if the prompts run out before the batch is full (or padded).
     """
     if num_groups < 1 or oversample < 1.0 or max_rounds < 1:
         raise ValueError("need num_groups >= 1, oversample >= 1 and max_rounds >= 1")
+    cap = max(max_prompts_per_round or 4 * num_groups, 1)
     batch = ScoredBatch(groups=[])
+    dropped: list[list[Sample]] = []
+    with_signal = 0
     while len(batch.groups) < num_groups:
         if batch.rounds == max_rounds:
-            raise RuntimeError(f"dynamic sampling: only {len(batch.groups)} of {num_groups} groups with signal "
-                               f"after {max_rounds} rounds ({batch.num_dropped} zero-variance groups dropped)")
+            pad = dropped[::-1][:num_groups - len(batch.groups)]
+            batch.groups += pad
+            batch.padded_group_ids = [g[0].group_id for g in pad]
+            if len(batch.groups) < num_groups:  # only when every dropped group was already used up
+                raise RuntimeError(f"dynamic sampling: only {len(batch.groups)} of {num_groups} groups "
+                                   f"after {max_rounds} rounds")
+            break
         missing = num_groups - len(batch.groups)
-        want = math.ceil(missing * oversample) if drop_zero_variance else missing
+        if not drop_zero_variance:
+            want = missing
+        else:
+            seen = len(batch.generated_rewards)
+            fraction = 1.0 if seen == 0 else max(with_signal / seen, 1 / 16)
+            want = min(math.ceil(missing * oversample / fraction), cap)
         round_prompts = [p for _, p in zip(range(want), prompts)]
         if not round_prompts:
             raise PromptsExhausted(f"prompts ran out with {len(batch.groups)} of {num_groups} groups "
@@ -75,8 +130,12 @@ async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt],
         batch.rollout_stats.append(stats)
         for group in groups:
             score_samples(group, reward_fn, timeout_s=reward_timeout_s)
-            if drop_zero_variance and not has_signal(group):
+            batch.generated_rewards.append([s.reward for s in group])
+            signal = has_signal(group)
+            with_signal += signal
+            if drop_zero_variance and not signal:
                 batch.dropped_group_ids.append(group[0].group_id)
+                dropped.append(group)
             elif len(batch.groups) < num_groups:
                 batch.groups.append(group)
             else:

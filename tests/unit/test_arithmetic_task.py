@@ -1,7 +1,9 @@
 """The demo task: its prompt stream resumes from a position, its reward is exact match before EOS."""
+from collections import Counter
+
 from megatron_gspo.cli import main
 from megatron_gspo.tasks import load_task
-from megatron_gspo.tasks.arithmetic import problem
+from megatron_gspo.tasks.arithmetic import PAIRS, problem
 from megatron_gspo.types import Sample
 
 
@@ -15,6 +17,13 @@ def test_problems_are_single_digit_sums():
         text, answer = problem(7, i)
         a, b = text.rstrip("=").split("+")
         assert int(a) + int(b) == int(answer) <= 9
+
+
+def test_prompts_are_uniform_over_the_55_pairs():
+    """No prompt (and no answer) dominates: "9+0=" is as frequent as "0+5=", chance stays 1 in 10."""
+    assert len(PAIRS) == 55
+    counts = Counter(problem(0, i)[0] for i in range(55_000))
+    assert len(counts) == 55 and max(counts.values()) < 1.2 * 1000 and min(counts.values()) > 0.8 * 1000
 
 
 def test_stream_resumes_from_a_position():

@@ -36,11 +36,53 @@ def test_drop_and_refill():
                                               drop_zero_variance=True, oversample=2.0))
     assert [g[0].group_id for g in batch.groups] == [2, 5, 8]
     assert all(has_signal(g) for g in batch.groups)
-    # round 1: ceil(3*2)=6 prompts (0..5) keep 2, 5; round 2: ceil(1*2)=2 prompts (6, 7) keep none;
-    # round 3: 2 prompts (8, 9) keep 8; 9 has no signal.
-    assert calls == [[0, 1, 2, 3, 4, 5], [6, 7], [8, 9]]
-    assert batch.dropped_group_ids == [0, 1, 3, 4, 6, 7, 9] and batch.num_dropped == 7
-    assert batch.rounds == 3 and batch.rollout_stats == [{"prompts": 6}, {"prompts": 2}, {"prompts": 2}]
+    # round 1: ceil(3*2)=6 prompts (0..5) keep 2, 5 (2 of 6 groups had signal); round 2: the missing
+    # group over that fraction, ceil(1*2/(1/3))=6 prompts (6..11): keeps 8, 11 is surplus.
+    assert calls == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    assert batch.dropped_group_ids == [0, 1, 3, 4, 6, 7, 9, 10] and batch.num_dropped == 8
+    assert batch.surplus_group_ids == [11] and batch.padded_group_ids == []
+    assert batch.rounds == 2 and batch.rollout_stats == [{"prompts": 6}, {"prompts": 6}]
+
+
+def test_rounds_are_capped():
+    calls = []
+    batch = asyncio.run(collect_scored_groups(fake_generate(calls), prompt_stream(100), 3, math_verify,
+                                              drop_zero_variance=True, oversample=2.0, max_prompts_per_round=4))
+    # min(6, 4); then 2 * 2 / (1/4) = 16 -> 4; then 1 * 2 / (2/8) = 8 -> 4.
+    assert calls == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [g[0].group_id for g in batch.groups] == [2, 5, 8] and batch.surplus_group_ids == [11]
+
+
+def test_metrics_are_over_every_generated_sample():
+    """The kept groups all have signal (mean 0.5 here); reward_mean is the policy's: every sample."""
+    batch = asyncio.run(collect_scored_groups(fake_generate([]), prompt_stream(100), 3, math_verify,
+                                              drop_zero_variance=True, oversample=2.0))
+    m = batch.metrics()
+    # 12 groups generated (0..11): 0, 3, 6, 9 all "1"; 1, 4, 7, 10 all "0"; 2, 5, 8, 11 half "1".
+    assert m["rollout_groups_generated"] == 12
+    assert m["reward_mean"] == (4 * G + 4 * G / 2) / (12 * G) == 0.5
+    assert m["reward_mean_trained"] == 0.5 and m["zero_signal_group_fraction_trained"] == 0.0
+    assert m["zero_signal_group_fraction"] == 8 / 12
+    assert m["dynamic_sampling_padded_groups"] == 0.0
+    # Without dynamic sampling the generated and the trained batch are the same.
+    plain = asyncio.run(collect_scored_groups(fake_generate([]), prompt_stream(100), 4, math_verify)).metrics()
+    assert plain["reward_mean"] == plain["reward_mean_trained"] == (2 * G + G / 2) / (4 * G)  # groups 0 and 3 all "1", 2 half
+    assert plain["zero_signal_group_fraction"] == plain["zero_signal_group_fraction_trained"] == 3 / 4
+
+
+def test_padding_after_max_rounds():
+    """A policy with signal on no prompt: after max_rounds the batch is filled with dropped groups
+    (zero advantage, so they change nothing), reported as padding, instead of failing."""
+    calls = []
+    no_signal = iter([Prompt(group_id=3 * i, prompt_ids=[1]) for i in range(100)])  # k % 3 == 0: all "1"
+    batch = asyncio.run(collect_scored_groups(fake_generate(calls), no_signal, 2, math_verify,
+                                              drop_zero_variance=True, max_rounds=2, max_prompts_per_round=5))
+    assert [len(c) for c in calls] == [3, 5]  # ceil(2*1.5); then 2*1.5*16 capped at 5
+    assert [g[0].group_id for g in batch.groups] == [21, 18] and batch.padded_group_ids == [21, 18]
+    assert not any(has_signal(g) for g in batch.groups)
+    m = batch.metrics()
+    assert m["reward_mean"] == 1.0 and m["zero_signal_group_fraction"] == 1.0
+    assert m["dynamic_sampling_padded_groups"] == 2.0 and m["rollout_groups_generated"] == 8
 
 
 def test_without_dynamic_sampling_everything_is_kept():
