@@ -88,6 +88,11 @@ class ParallelConfig:
             _positive("parallel", self, "etp")
         if self.vpp is not None:
             _check(self.vpp >= 2 and self.pp >= 2, "parallel.vpp", "needs vpp >= 2 and pp >= 2 (or None)", self.vpp)
+        # Megatron's expert groups split each pipeline stage's tp * cp * dp ranks into etp x ep x expert-dp.
+        expert_ranks, stage_ranks = self.ep * self.layout.expert_tp, self.tp * self.cp * self.dp
+        _check(stage_ranks % expert_ranks == 0, "parallel.ep",
+               f"(times etp = {self.layout.expert_tp}) must divide tp * cp * dp = {stage_ranks} (raise parallel.dp)",
+               self.ep)
 
     @property
     def world_size(self) -> int:
@@ -188,6 +193,9 @@ class RolloutConfig:
         if self.backend == "megatron":
             _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
                    self.server_urls)
+            _check(self.top_p == 1 or self.top_k >= 1, "rollout.top_p",
+                   "< 1 needs rollout.top_k >= 1 with backend=megatron (the nucleus is searched among the "
+                   "top-k tokens)", self.top_p)
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,10 @@ class CheckpointConfig:
     """Continue from the latest complete checkpoint in dir when there is one."""
     save_on_signal: bool = True
     """Write a checkpoint when SIGTERM/SIGINT arrives (e.g. Slurm preemption) before exiting."""
+    export_hf: str | None = None
+    """When the run completes, the final checkpoint converted to a Hugging Face model in this directory
+    (the checkpoint tools' mcore->hf conversion; config and tokenizer files from model.hf_path). An
+    existing export there is replaced only once the new one is complete. Needs dir and model.hf_path."""
 
     def __post_init__(self):
         _positive("checkpoint", self, "interval")
@@ -281,6 +293,11 @@ class TrainConfig:
         if self.rollout.backend == "sglang":
             _check(self.model.hf_path is not None, "model.hf_path",
                    "is required with rollout.backend=sglang (SGLang serves Hugging Face weights)", None)
+        if self.checkpoint.export_hf is not None:
+            _check(self.checkpoint.dir is not None, "checkpoint.export_hf",
+                   "needs checkpoint.dir (the export converts the final checkpoint)", self.checkpoint.export_hf)
+            _check(self.model.hf_path is not None, "checkpoint.export_hf",
+                   "needs model.hf_path (its config and tokenizer files go with the export)", self.checkpoint.export_hf)
 
     @property
     def optimizer_steps(self) -> int:

@@ -3,7 +3,8 @@
 The model is randomly initialised from a fixed seed; the tokenizer is a byte-level BPE trained on a
 synthetic arithmetic corpus ("12+7=19"). Both are written as a Hugging Face model directory that
 SGLang (`--model-path DIR`) and transformers (`AutoModelForCausalLM`, `AutoTokenizer`) load.
-Dense, not MoE: SGLang's CPU backend gives NaN logits for Qwen3-MoE (../shared/PLATFORM.md).
+Dense by default: SGLang's CPU backend gives NaN logits for Qwen3-MoE (../shared/PLATFORM.md).
+`num_experts > 0` makes a Qwen3-MoE instead, for the in-process Megatron rollout backend.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class TinyQwen3Spec:
     decoding then does not flip between two near-tied tokens on float rounding differences."""
     tie_word_embeddings: bool = False
     """`tie_word_embeddings`."""
+    num_experts: int = 0
+    """0: dense Qwen3; > 0: Qwen3-MoE with this many experts in every layer (`num_experts`)."""
+    num_experts_per_tok: int = 2
+    """`num_experts_per_tok` (MoE only)."""
+    moe_intermediate_size: int = 48
+    """`moe_intermediate_size`: one expert's MLP width (MoE only)."""
     seed: int = 1234
     """Seed of both the weight init and the synthetic tokenizer corpus."""
 
@@ -77,22 +84,25 @@ def make_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) 
     The same spec gives bit-identical weights and tokenizer on every call.
     """
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
                                    eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     eos_id = fast.convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen3Config(
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+               moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True) if spec.num_experts else {}
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
         tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32")
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32", **moe)
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(torch.float32)
     model.save_pretrained(out)
     fast.save_pretrained(out)
     return out

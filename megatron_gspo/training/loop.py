@@ -6,17 +6,26 @@
 Per step: (rank 0) roll out a batch from the SGLang servers -> rewards -> group advantages (dynamic
 sampling drops zero-signal groups if configured) -> the batch is broadcast to every rank ->
 `train_on_batch` (K mini-batches, old log-probs recomputed or the rollout's) -> the new weights go to
-every server -> metrics -> periodic checkpoint. Rank 0 owns the servers and the HTTP client; the other
-ranks only train, and take part in the collective weight export.
+every server -> metrics -> periodic checkpoint; at the end, optionally, the final checkpoint as a
+Hugging Face model (checkpoint.export_hf). Rank 0 owns the servers and the HTTP client; the other
+ranks only train, and send their weight shards to rank 0 in the collective export.
+With rollout.backend=megatron there are no servers: every rank generates with the model it trains
+(rollout/megatron_backend.py; the weights of rollout step s+1 are version "s"), so the weight sync
+only moves the version number.
 
 Signals: SIGTERM/SIGINT during start-up stop at once (servers are stopped on the way out); during the
 loop they end the run after the current step, with a checkpoint when `checkpoint.save_on_signal`.
+A signal that also reached the servers (Slurm signals every process of a job) can make the step's
+rollout or weight sync fail: the run then still stops with its checkpoint (of the step before, or of
+this step without its sync), from which a resumed run continues exactly.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import os
+import shutil
 import signal
 import sys
 import time
@@ -46,7 +55,9 @@ def train(config: TrainConfig) -> None:
     state = initial_weights(config, policy)  # resumed checkpoint, or the converted HF model
     run_dir, k = Path(config.logging.run_dir), config.gspo.num_minibatches
     with contextlib.ExitStack() as stack:
-        rollout = stack.enter_context(Rollout(config)) if rank0 else None
+        # SGLang: rank 0 talks to the servers. Megatron backend: every rank generates, collectively.
+        colocated = config.rollout.backend == "megatron"
+        rollout = stack.enter_context(Rollout(config, policy)) if rank0 or colocated else None
         logger = (stack.enter_context(MetricsLogger(run_dir, tensorboard=config.logging.tensorboard,
                                                     wandb_project=config.logging.wandb_project,
                                                     wandb_offline=config.logging.wandb_offline,
@@ -55,20 +66,30 @@ def train(config: TrainConfig) -> None:
                   if rank0 else None)
         if state.step:  # the servers start from the HF weights: give them the resumed ones
             push_weights(rollout, policy, version=str(state.step))
+        saved_step = state.step if state.step else None  # the step of the checkpoint on disk
         stop.arm()
         while state.step < config.num_steps:
             step_start = time.perf_counter()
-            # 1-3. rollout -> rewards -> advantages (rank 0), then the same batch on every rank.
-            batch, info, data_state = rollout.sample(state.data_state or 0) if rank0 else (None, None, None)
+            # 1-3. rollout -> rewards -> advantages (rank 0, or every rank together with the megatron
+            # backend), then rank 0's batch on every rank.
+            batch, info, data_state = sample(rollout, state, stop) if rollout is not None else (None, None, None)
             box = [batch, info, data_state]
             dist.broadcast_object_list(box, src=0)
+            if box[0] is None:  # the rollout failed after a stop signal: nothing of this step is done
+                stop.signal_name = stop.signal_name or "a signal on rank 0"
+                if config.checkpoint.dir and config.checkpoint.save_on_signal and state.step != saved_step:
+                    ckpt.save_checkpoint(config.checkpoint.dir, state, policy.model, policy.optimizer,
+                                         policy.scheduler, keep_last=config.checkpoint.keep_last)
+                if rank0:
+                    print(f"stopping on {stop.signal_name} after step {state.step}", flush=True)
+                break
             batch, info, state.data_state = box
             # 4. K mini-batches, one optimizer step each.
             records = train_on_batch(policy.model, policy.optimizer, batch, settings, scheduler=policy.scheduler)
             state.step += 1
             # 5. New weights to every server (collective export; rank 0 sends).
             sync_start = time.perf_counter()
-            push_weights(rollout, policy, version=str(state.step))
+            push_weights(rollout, policy, version=str(state.step), stop=stop)
             sync_s = time.perf_counter() - sync_start
             # 6. Checkpoint every `interval` steps, at the end, and when asked to stop.
             stopping = stop.agreed()
@@ -78,6 +99,7 @@ def train(config: TrainConfig) -> None:
                 ckpt_start = time.perf_counter()
                 ckpt.save_checkpoint(config.checkpoint.dir, state, policy.model, policy.optimizer, policy.scheduler,
                                      keep_last=config.checkpoint.keep_last)
+                saved_step = state.step
                 ckpt_s = time.perf_counter() - ckpt_start
             # 7. Metrics: one record per optimizer step, the step's rollout numbers and timings on each.
             if rank0:
@@ -102,6 +124,9 @@ def train(config: TrainConfig) -> None:
     stop.arm(False)  # servers are stopped: from here on a signal ends the process at once
     if rank0:
         plot(run_dir)
+        # 8. At the end, the final checkpoint as a Hugging Face model.
+        if config.checkpoint.export_hf and state.step == config.num_steps:
+            export_hf(config)
     dist.barrier()
 
 
@@ -131,6 +156,18 @@ class StopRequest:
         return bool(flag.item())
 
 
+def sample(rollout: "Rollout", state: ckpt.TrainerState, stop: StopRequest):
+    """rollout.sample at the run's data position; (None, None, None) if it fails after a stop signal
+    (the servers got the signal too)."""
+    try:
+        return rollout.sample(state.data_state or 0)
+    except Exception as error:
+        if stop.signal_name is None or rollout.config.rollout.backend == "megatron":
+            raise
+        print(f"rollout failed after {stop.signal_name} ({type(error).__name__}: {error})", flush=True)
+        return None, None, None
+
+
 def initial_weights(config: TrainConfig, policy: Policy) -> ckpt.TrainerState:
     """Load the latest checkpoint when resuming; else the HF model, converted once into run_dir."""
     from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
@@ -154,61 +191,120 @@ def initial_weights(config: TrainConfig, policy: Policy) -> ckpt.TrainerState:
     return ckpt.TrainerState(step=0, data_state=0)
 
 
-def push_weights(rollout: "Rollout | None", policy: Policy, version: str) -> None:
-    """Collective: every rank walks the export; rank 0 (which holds `rollout`) sends the tensors."""
-    tensors = iter_hf_tensors(policy.model, policy.shape)
-    if rollout is not None:
-        rollout.sync_weights(tensors, version)
-    else:
-        for _ in tensors:
-            pass
+def export_hf(config: TrainConfig) -> Path:
+    """Convert the latest checkpoint to checkpoint.export_hf with the checkpoint tools; an earlier
+    export there is swapped out only once the new one is complete."""
+    from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
+
+    out = Path(config.checkpoint.export_hf)
+    fresh, stale = out.with_name(f".{out.name}.new-{os.getpid()}"), out.with_name(f".{out.name}.old-{os.getpid()}")
+    start = time.perf_counter()
+    convert_mcore_to_hf(config.checkpoint.dir, config.model.hf_path, fresh, progress=False)
+    if out.exists():
+        os.rename(out, stale)
+    os.rename(fresh, out)
+    shutil.rmtree(stale, ignore_errors=True)
+    print(f"exported the final weights to {out} (Hugging Face format) in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    return out
+
+
+def push_weights(rollout: "Rollout | None", policy: Policy, version: str, stop: "StopRequest | None" = None) -> None:
+    """Collective: every rank walks the export, sending its pieces to rank 0 (which holds `rollout`), which
+    sends the full tensors on. The megatron backend walks nothing: every rank holds a rollout that only
+    takes the new version.
+
+    When the servers fail after a stop signal (Slurm signals the servers and the trainer together), rank 0
+    reports it and finishes the walk with the other ranks, so the run still ends with its checkpoint (a
+    resumed run pushes those weights first)."""
+    tensors = iter_hf_tensors(policy.model, policy.shape, dst=0)
+    try:
+        if rollout is not None:
+            rollout.sync_weights(tensors, version)
+    except Exception as error:
+        if stop is None or stop.signal_name is None:
+            raise
+        print(f"weight sync failed after {stop.signal_name} ({type(error).__name__}: {error}); "
+              "the weights go to the servers when the run resumes", flush=True)
+    for _ in tensors:  # the rest of the walk (all of it on ranks without `rollout`)
+        pass
 
 
 class Rollout:
-    """Rank 0's side: SGLang servers (launched or given), the client, the task, the weight transport."""
+    """The sampler's side. sglang: rank 0 only, with the servers (launched or given), the HTTP client and
+    the weight transport. megatron: every rank, generating collectively with the trained model itself
+    (rollout/megatron_backend.py), so weight sync is only a new version number."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, policy: Policy | None = None):
         self.config = config
+        self.policy = policy
+        self.weight_version = "0"
+        """The weights that sample next (the rollout step after which they were synced)."""
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "Rollout":
         from transformers import AutoTokenizer
 
-        from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams
-        from megatron_gspo.rollout.server import ServerConfig, launch_servers
-        from megatron_gspo.sync.sglang import BroadcastSync
         from megatron_gspo.tasks import load_task
 
-        c, r = self.config, self.config.rollout
-        if r.backend != "sglang":
-            raise ValueError("the training loop supports rollout.backend=sglang only so far")
-        run_dir = Path(c.logging.run_dir)
-        dump_yaml(c, run_dir / "config.yaml")
+        c = self.config
+        if dist.get_rank() == 0:
+            dump_yaml(c, Path(c.logging.run_dir) / "config.yaml")
         try:
-            if r.server_urls:
-                self.urls = list(r.server_urls)
-            else:
-                print(f"starting {r.num_servers} SGLang server(s) on {c.model.hf_path} ...", flush=True)
-                servers = self._stack.enter_context(launch_servers(ServerConfig(
-                    model_path=c.model.hf_path, dtype=c.model.dtype, weight_version="0",
-                    max_running_requests=r.concurrency, log_dir=str(run_dir / "sglang_logs")), r.num_servers))
-                self.urls = [s.url for s in servers]
-                print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
             tokenizer = AutoTokenizer.from_pretrained(c.model.hf_path)
-            self.task = load_task(r.task, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], c.seed)
-            self.client = RolloutClient(self.urls, ClientConfig(concurrency_per_server=r.concurrency,
-                                                                request_timeout_s=r.request_timeout_s))
-            self.sampling = SamplingParams(temperature=c.gspo.temperature, top_p=r.top_p, top_k=r.top_k,
-                                           max_new_tokens=r.max_new_tokens)
-            self.broadcast = None
-            if r.weight_sync == "broadcast":
-                self.broadcast = BroadcastSync(self.urls)
-                self.broadcast.connect()
-                self._stack.callback(self.broadcast.close)
+            self.task = load_task(c.rollout.task, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+                                  c.seed)
+            if c.rollout.backend == "megatron":
+                self._start_megatron(tokenizer)
+            else:
+                self._start_sglang()
         except BaseException:
             self._stack.close()
             raise
         return self
+
+    def _start_sglang(self) -> None:
+        from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams
+        from megatron_gspo.rollout.server import ServerConfig, launch_servers
+        from megatron_gspo.sync.sglang import BroadcastSync
+
+        c, r = self.config, self.config.rollout
+        if r.server_urls:
+            self.urls = list(r.server_urls)
+        else:
+            print(f"starting {r.num_servers} SGLang server(s) on {c.model.hf_path} ...", flush=True)
+            servers = self._stack.enter_context(launch_servers(ServerConfig(
+                model_path=c.model.hf_path, dtype=c.model.dtype, weight_version="0",
+                max_running_requests=r.concurrency, log_dir=str(Path(c.logging.run_dir) / "sglang_logs")),
+                r.num_servers))
+            self.urls = [s.url for s in servers]
+            print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
+        client = RolloutClient(self.urls, ClientConfig(concurrency_per_server=r.concurrency,
+                                                       request_timeout_s=r.request_timeout_s))
+        sampling = SamplingParams(temperature=c.gspo.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.max_new_tokens)
+        self.generate = functools.partial(client.generate, n=c.gspo.group_size, sampling=sampling)
+        self.broadcast = None
+        if r.weight_sync == "broadcast":
+            self.broadcast = BroadcastSync(self.urls)
+            self.broadcast.connect()
+            self._stack.callback(self.broadcast.close)
+
+    def _start_megatron(self, tokenizer) -> None:
+        from megatron_gspo.rollout.megatron_backend import GenerationSettings, MegatronGenerator, stop_token_ids
+
+        c, r = self.config, self.config.rollout
+        generator = MegatronGenerator(
+            self.policy.model, GenerationSettings(
+                temperature=c.gspo.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                stop_token_ids=stop_token_ids(c.model.hf_path, tokenizer),
+                max_tokens_per_microbatch=c.parallel.max_tokens_per_microbatch),
+            vocab_size=self.policy.shape.vocab_size, seed=c.seed,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+        async def generate(prompts):  # collective: every rank calls it with the same prompts
+            return generator.generate(prompts, n=c.gspo.group_size, weight_version=self.weight_version)
+        self.generate = generate
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
@@ -228,8 +324,7 @@ class Rollout:
             for p in prompts:
                 taken[0] += 1
                 yield p
-        generate = functools.partial(self.client.generate, n=g.group_size, sampling=self.sampling)
-        scored = asyncio.run(collect_scored_groups(generate, counted(), g.prompts_per_step, self.task.reward,
+        scored = asyncio.run(collect_scored_groups(self.generate, counted(), g.prompts_per_step, self.task.reward,
                                                    drop_zero_variance=g.dynamic_sampling))
         samples = [s for group in scored.groups for s in group]
         rewards = [s.reward for s in samples]
@@ -239,16 +334,22 @@ class Rollout:
                      for s, a in zip(samples, adv.advantages_R.tolist())]
         info = rollout_metrics(rewards, [len(s.response_ids) for s in samples],
                                zero_signal_groups=adv.num_zero_signal_groups, num_groups=len(scored.groups))
+        info.update(scored.metrics())  # reward over every generated sample, not only the kept groups
         versions = sorted({s.weight_version for s in samples if s.weight_version is not None})
         info.update({"dynamic_sampling_dropped_groups": float(scored.num_dropped),
                      "rollout_weight_version": ",".join(versions),
-                     "rollout_tokens_per_s": sum(st.tokens_per_s for st in scored.rollout_stats),
+                     # over every round of dynamic sampling: all response tokens / all generation time
+                     "rollout_tokens_per_s": (sum(st.response_tokens for st in scored.rollout_stats)
+                                              / max(sum(st.elapsed_s for st in scored.rollout_stats), 1e-9)),
                      "rollout_time_s": time.perf_counter() - start})
         return responses, info, position + taken[0]
 
     def sync_weights(self, tensors, version: str) -> None:
         from megatron_gspo.sync.sglang import sync_from_disk, write_hf_checkpoint
 
+        self.weight_version = version
+        if self.config.rollout.backend == "megatron":
+            return  # the model that trains is the model that samples: `tensors` is never walked
         if self.broadcast is not None:
             self.broadcast.sync(tensors, version)
         else:

@@ -20,6 +20,9 @@ def _writable(path: str, name: str) -> None:
 def preflight(config: TrainConfig) -> None:
     """Raise ValueError naming the setting when a path the run needs is missing or not writable."""
     model = config.model
+    if model.hf_path is None:
+        raise ValueError("model.hf_path is required to train: the task's prompts need its tokenizer "
+                         f"(model.preset={model.preset!r} gives a model shape only)")
     if model.hf_path is not None and not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
@@ -28,3 +31,5 @@ def preflight(config: TrainConfig) -> None:
     if config.checkpoint.dir is not None:
         _writable(config.checkpoint.dir, "checkpoint.dir")
     _writable(config.logging.run_dir, "logging.run_dir")
+    if config.checkpoint.export_hf is not None:
+        _writable(str(Path(config.checkpoint.export_hf).resolve().parent), "checkpoint.export_hf")

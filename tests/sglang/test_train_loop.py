@@ -10,15 +10,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.sglang
 REPO = Path(__file__).resolve().parents[2]
+
+
+def load_safetensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
                  f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=2", "num_steps=2",
+                 f"checkpoint.export_hf={run_dir / 'hf_final'}",
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2"]
     proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
                            *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -35,3 +43,13 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (run_dir / "ckpt" / "iter_0000002" / "trainer.pt").is_file()
     assert (run_dir / "metrics.png").is_file()
+    # The final export (checkpoint tools, from the saved checkpoint) holds exactly the weights that the
+    # last disk sync sent to SGLang (taken from the live model): two independent paths, same bytes.
+    exported, synced = load_safetensors(run_dir / "hf_final"), load_safetensors(run_dir / "weights")
+    assert exported.keys() == synced.keys()
+    assert all(torch.equal(exported[k], synced[k]) for k in exported)
+    initial = load_safetensors(tiny_model_dir)
+    # Trained iff some step had a gradient (a random tiny model may score 0 everywhere: no signal).
+    learned = any(r["grad_norm"] > 0 for r in records)
+    assert any(not torch.equal(exported[k], initial[k]) for k in exported) == learned, records
+    assert (run_dir / "hf_final" / "config.json").read_text() == (Path(tiny_model_dir) / "config.json").read_text()

@@ -48,3 +48,12 @@ def test_checkpoint_dir_under_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="checkpoint.dir: cannot write to"):
         preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}"))
+
+
+def test_export_under_a_file(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="checkpoint.export_hf: cannot write to"):
+        preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}",
+                         f"checkpoint.export_hf={tmp_path / 'file' / 'hf_final'}"))

@@ -1,0 +1,51 @@
+"""The in-process Megatron sampler (rollout/megatron_backend.py) under TP2, EP2 (x DP2), PP2 and CP2 samples
+what one process samples: the same tokens, log-probs within 1e-5, the same finish reasons.
+
+tests/distributed/workers/megatron_rollout.py runs the checks of one layout (including, in the
+one-process reference, log-probs against a float64 log_softmax of the model's logits and EOS cuts).
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.parallel.launch import torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_hf import save_tiny  # noqa: E402
+
+WORKER = "tests/distributed/workers/megatron_rollout.py"
+LAYOUTS = {"tp2": (2, 1, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 2, 1, 1), "cp2": (1, 1, 1, 2)}  # TP PP EP CP
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("megatron_rollout")
+    save_tiny(path / "hf", "moe")
+    out = torchrun(WORKER, 1, path, "reference", 1, 1, 1, timeout=240)
+    assert "OK reference rank 0" in out, out[-3000:]
+    return path
+
+
+@pytest.mark.distributed
+def test_reference_logprobs_are_the_models(workdir):
+    result = json.loads((workdir / "reference.json").read_text())
+    assert result["max_abs_logprob_error"] < 1e-5
+    finishes = [s[2] for group in result["c"] for s in group]
+    assert "stop" in finishes and "length" in finishes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp2", "ep2", pytest.param("pp2", marks=pytest.mark.slow),
+                                  pytest.param("cp2", marks=pytest.mark.slow)])
+def test_layout_samples_like_one_process(workdir, name):
+    out = torchrun(WORKER, 2, workdir, name, *LAYOUTS[name], timeout=240)
+    assert out.count(f"OK {name} rank") == 2, out[-3000:]
+    reference = json.loads((workdir / "reference.json").read_text())
+    result = json.loads((workdir / f"{name}.json").read_text())
+    for run in ("a", "b", "c"):
+        for group_ref, group in zip(reference[run], result[run], strict=True):
+            for (ids_ref, lp_ref, finish_ref, _), (ids, lp, finish, _) in zip(group_ref, group, strict=True):
+                assert ids == ids_ref and finish == finish_ref, (run, ids_ref, ids)
+                assert max(abs(x - y) for x, y in zip(lp, lp_ref)) < 1e-5, (run, lp_ref, lp)
