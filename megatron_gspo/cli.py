@@ -1,8 +1,10 @@
 """`megatron-gspo <command>`: thin argument parsing, one call into the library per command.
 
-Commands: `train` (the GSPO loop under torchrun), `plot` (metrics PNG of a run directory),
-`tiny-model` (the demo's tiny Qwen3, optionally format-warm-started), `rollout` (offline rollouts from
-SGLang servers into a samples JSONL file; also the way to debug a reward function).
+Commands: `train` (the GSPO loop under torchrun; also one node of a multi-node run), `serve` (one SGLang
+server in the foreground, for rollout nodes), `wait-servers` (until given servers answer), `plot`
+(metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
+`rollout` (offline rollouts from SGLang servers into a samples JSONL file; also the way to debug a reward
+function).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 
 def _rollout_parser(sub) -> None:
@@ -98,6 +101,14 @@ def _train_parser(sub) -> None:
                                    "that torchrun command yourself (scripts/).")
     p.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
+    m = p.add_argument_group("multi-node (one `train` per node, e.g. from srun: scripts/slurm/gspo.sbatch)")
+    m.add_argument("--nnodes", type=int, default=1, help="nodes sharing the world of tp*pp*cp*dp ranks "
+                   "evenly (default 1: every rank on this machine)")
+    m.add_argument("--node-rank", type=int, default=0, help="this node's index, 0 .. nnodes-1")
+    m.add_argument("--nproc-per-node", type=int, help="ranks per node, e.g. its GPUs: checked against the config "
+                   "(nnodes * nproc-per-node must equal tp*pp*cp*dp); default world size / nnodes")
+    m.add_argument("--master-addr", default="127.0.0.1", help="address of node rank 0 (rendezvous)")
+    m.add_argument("--master-port", type=int, help="rendezvous port (default: a free one; required with --nnodes > 1)")
     p.set_defaults(func=run_train)
 
 
@@ -107,15 +118,91 @@ def run_train(args) -> int:
     from megatron_gspo.training.preflight import preflight
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
+    world = config.parallel.world_size
+    if args.nnodes < 1 or world % args.nnodes:
+        raise ValueError(f"--nnodes {args.nnodes} must divide the world size tp*pp*cp*dp = {world} "
+                         f"(set parallel.dp to use every GPU of the trainer nodes)")
+    if args.nproc_per_node is not None and args.nproc_per_node * args.nnodes != world:
+        layout = config.parallel
+        ranks, model_ranks = args.nproc_per_node * args.nnodes, layout.tp * layout.pp * layout.cp
+        hint = f"parallel.dp={ranks // model_ranks}" if ranks % model_ranks == 0 else "another layout"
+        raise ValueError(f"{args.nnodes} node(s) x {args.nproc_per_node} ranks = {ranks}, but tp*pp*cp*dp = {world}: "
+                         f"set {hint}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
+    if args.nnodes > 1 and args.master_port is None:
+        raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
     preflight(config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.parallel.world_size),
-           "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world // args.nnodes),
+           "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+           "--master-port", str(args.master_port or free_port()),
            "-m", "megatron_gspo.training.loop", args.config, *args.overrides]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     sys.stdout.flush()
     os.execve(sys.executable, cmd, env)  # torchrun takes this PID: signals reach it, and it the ranks
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run one SGLang server for a training config, in the foreground",
+                       description="Start one SGLang server on the config's model.hf_path (dtype, request limit "
+                                   "from the config), wait until it answers, and keep it running until "
+                                   "SIGTERM/SIGINT. For jobs whose rollout nodes are not the trainer's "
+                                   "(scripts/slurm/gspo.sbatch); give the trainer rollout.server_urls.")
+    p.add_argument("config", help="the training config (YAML)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, as for `train`")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default: every interface)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--sglang-python", help="interpreter with SGLang, a path or a name on PATH (default: "
+                                           "$MEGATRON_GSPO_SGLANG_PYTHON or .venv-sglang/bin/python)")
+    p.add_argument("--max-total-tokens", type=int, help="KV-cache tokens (default: SGLang's own on cuda, 16384 "
+                                                        "on cpu, where SGLang would take ~70%% of RAM)")
+    p.add_argument("--log-dir", help="where the server log goes (default: RUN_DIR/sglang_logs/HOSTNAME)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the server must answer")
+    p.add_argument("--sglang-args", default="", help="further `sglang.launch_server` arguments, one string, "
+                                                     "e.g. '--tp-size 2 --mem-fraction-static 0.8'")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import shlex
+    import shutil
+    import socket
+
+    from megatron_gspo.config import load_config
+    from megatron_gspo.rollout.serve import serve
+    from megatron_gspo.rollout.server import ServerConfig, default_sglang_python
+
+    config = load_config(args.config, args.overrides)
+    python = args.sglang_python or default_sglang_python()
+    max_total_tokens = args.max_total_tokens or (16384 if args.device == "cpu" else None)
+    log_dir = args.log_dir or str(Path(config.logging.run_dir, "sglang_logs", socket.gethostname()))
+    server = ServerConfig(model_path=config.model.hf_path, python=shutil.which(python) or python, device=args.device,
+                          host=args.host, dtype=config.model.dtype, weight_version="0",
+                          max_total_tokens=max_total_tokens, max_running_requests=config.rollout.concurrency,
+                          extra_args=tuple(shlex.split(args.sglang_args)), startup_timeout_s=args.startup_timeout,
+                          log_dir=log_dir)
+    return serve(server, args.port)
+
+
+def _wait_servers_parser(sub) -> None:
+    p = sub.add_parser("wait-servers", help="wait until SGLang servers answer /health_generate",
+                       description="Exit 0 once every URL answers a one-token generation; exit 1 after --timeout.")
+    p.add_argument("urls", nargs="+", help="server URLs (http://host:port), or comma-separated lists of them")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds")
+    p.add_argument("--api-key", help="API key of the servers")
+    p.set_defaults(func=run_wait_servers)
+
+
+def run_wait_servers(args) -> int:
+    from megatron_gspo.rollout.serve import wait_for_servers
+
+    urls = [u for arg in args.urls for u in arg.split(",") if u]
+    waited = wait_for_servers(urls, args.timeout, api_key=args.api_key)
+    print(f"{len(urls)} rollout server(s) ready after {waited:.0f} s")
+    return 0
 
 
 def _plot_parser(sub) -> None:
@@ -137,13 +224,15 @@ def _tiny_model_parser(sub) -> None:
     p.add_argument("--warm-start", choices=("arithmetic",), help="supervised format warm-start for this task "
                    "(answers with one random digit: reward at chance, see megatron_gspo/tasks/arithmetic.py)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
+                   "Qwen3: for rollout.backend=megatron (SGLang on CPU cannot serve MoE)")
     p.set_defaults(func=run_tiny_model)
 
 
 def run_tiny_model(args) -> int:
     from megatron_gspo.rollout.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 
-    out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed))
+    out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed, num_experts=4 if args.moe else 0))
     if args.warm_start:
         from megatron_gspo.tasks.arithmetic import warm_start_format
         digit_fraction = warm_start_format(out, seed=args.seed)
@@ -156,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description="GSPO RL post-training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _serve_parser(sub)
+    _wait_servers_parser(sub)
     _plot_parser(sub)
     _tiny_model_parser(sub)
     _rollout_parser(sub)
