@@ -168,16 +168,20 @@ def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, a
 
 # ----------------------------------------------------------------------------------- broadcast
 
-def _join_group(init_method: str, world_size: int, group_name: str, backend: str, timeout: timedelta):
+def _join_group(host: str, port: int, world_size: int, group_name: str, backend: str, timeout: timedelta):
     """Rank 0 of the group SGLang's servers create in /init_weights_update_group.
 
     Mirrors the server side (sglang/srt/utils/common.py:init_custom_process_group): a group outside
-    torch's default world, so it never interferes with Megatron's process groups.
+    torch's default world, so it never interferes with Megatron's process groups. Rank 0 hosts the
+    group's TCPStore itself: torch's tcp:// rendezvous would not under torchrun (with
+    TORCHELASTIC_USE_AGENT_STORE it only connects, expecting torchrun's agent to host the store, and
+    every member of the group then waits for a server nobody started).
     """
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-    store, rank, world_size = next(rendezvous(init_method, 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    store = TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    rank = 0
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -214,8 +218,8 @@ class BroadcastSync:
         with ThreadPoolExecutor(len(self.admins)) as pool:
             futures = [pool.submit(a.post, "/init_weights_update_group", p) for a, p in zip(self.admins, payloads)]
             try:
-                self.group = _join_group(f"tcp://{self.master_address}:{self.master_port}", world_size,
-                                         self.group_name, self.backend, self.timeout)
+                self.group = _join_group(self.master_address, self.master_port, world_size, self.group_name,
+                                         self.backend, self.timeout)
             finally:
                 for f in futures:
                     f.result()

@@ -48,12 +48,15 @@ def greedy_hf(model, prompt):
 
 @pytest.mark.parametrize("transport", ["disk", "tensor", "broadcast"])
 def test_sync_delivers_new_weights_and_restore_restores(servers, before, weights, tiny_model_dir, tmp_path,
-                                                        transport):
+                                                        transport, monkeypatch):
     original, perturbed, perturbed_model = weights
     urls = [s.url for s in servers]
     broadcast = None
     if transport == "broadcast":
-        broadcast = BroadcastSync(urls, api_key=API_KEY)
+        # As the trainer's rank 0 runs it: under torchrun, whose agent hosts the default group's store
+        # (torch's tcp:// rendezvous then only connects to a store; the group's must be our own).
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        broadcast = BroadcastSync(urls, api_key=API_KEY, timeout_s=60)
         broadcast.connect()
 
     def sync(state, version):
