@@ -21,11 +21,13 @@ import base64
 import io
 import json
 import shutil
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -188,6 +190,18 @@ def _join_group(host: str, port: int, world_size: int, group_name: str, backend:
     return group
 
 
+def address_towards(url: str) -> str:
+    """This host's IP address on the route to `url`'s host: what that host can reach us at. A UDP
+    `connect` only asks the kernel for the route; nothing is sent. Falls back to the hostname."""
+    parts = urlsplit(url)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((parts.hostname, parts.port or 80))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 class BroadcastSync:
     """Weight updates by broadcast from the trainer (rank 0) to every server.
 
@@ -195,13 +209,15 @@ class BroadcastSync:
     servers before it), then sync() per update, close() at the end.
     """
 
-    def __init__(self, urls: list[str], api_key: str | None = None, master_address: str = "127.0.0.1",
+    def __init__(self, urls: list[str], api_key: str | None = None, master_address: str | None = None,
                  master_port: int | None = None, backend: str = "gloo", tp_sizes: list[int] | None = None,
                  group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0):
         from megatron_gspo.rollout.server import free_port
         self.admins = _admins(urls, api_key)
-        self.master_address = master_address
-        self.master_port = master_port or free_port(master_address)
+        self.master_address = master_address or address_towards(urls[0])
+        """Where the servers reach this process (the group's rank 0): default, this host's address on
+        the route to the first server (127.0.0.1 for local servers, the node's own on a cluster)."""
+        self.master_port = master_port or free_port(self.master_address)
         self.backend = backend
         self.tp_sizes = tp_sizes or [1] * len(urls)
         self.group_name = group_name
