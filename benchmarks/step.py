@@ -1,0 +1,140 @@
+"""Benchmark: where a GSPO step's time goes in the CPU demo (examples/tiny_cpu.yaml), and tokens/s.
+
+Runs `megatron-gspo train` for a few rollout steps per variant (by default the demo's disk weight
+sync and the NCCL/gloo-broadcast sync, side by side in one run, same model, same seed) and prints
+the mean seconds per rollout step of each phase, its share of the step, and the ratio between the
+variants. The first rollout step (warm-up: first forward passes, first server requests) is left out.
+A checkpoint is saved every --checkpoint-interval steps here; its mean time is spread over the
+config's checkpoint.interval (the demo's: 10) in the table, so the shares are those of the demo.
+The default model is the demo's at its start (format warm-start, reward ~0.1). `--hf DIR` takes
+another, e.g. the demo's final weights (`checkpoint.export_hf`, or tools/convert_mcore_to_hf.py of
+its last checkpoint): late in the run dynamic sampling rolls out many more prompts per step.
+
+    python benchmarks/step.py                       # 8 steps x {disk, broadcast}
+    python benchmarks/step.py --steps 4 --variants disk
+    python benchmarks/step.py --override parallel.tp=1   # any config override, for every variant
+    python benchmarks/step.py --hf runs/tiny_cpu/hf_final --variants disk   # a trained model
+
+Needs .venv-sglang (scripts/setup_sglang.sh); run with the trainer's .venv python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PHASES = [("rollout", "time_rollout_s"), ("old log-prob recompute", "time_recompute_s"),
+          ("train (fwd+bwd+optimizer)", "time_train_s"), ("weight sync", "time_sync_s"),
+          ("checkpoint (when saved)", "time_checkpoint_s")]
+
+
+def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: int, overrides: list[str]) -> dict:
+    run_dir = workdir / "run"
+    args = [sys.executable, "-m", "megatron_gspo.cli", "train", config, f"model.hf_path={hf_dir}",
+            f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"checkpoint.interval={interval}",
+            f"num_steps={steps}", "logging.progress_bar=false", *overrides]
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout[-4000:]}")
+    wall = time.perf_counter() - start
+    steps_seen: dict[int, list[dict]] = defaultdict(list)
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps_seen[record["rollout_step"]].append(record)
+    measured = [records for step, records in sorted(steps_seen.items()) if step > 1]
+    if not measured:
+        raise SystemExit("need at least 2 steps (the first is warm-up)")
+    out = {key: statistics.mean(r[0][key] for r in measured) for _, key in PHASES[:-1]}
+    saved = [r[0]["time_checkpoint_s"] for r in measured if r[0]["time_checkpoint_s"] > 0]
+    out["time_checkpoint_s"] = statistics.mean(saved) if saved else 0.0
+    out["step"] = statistics.mean(r[0]["time_step_s"] for r in measured)
+    out["checkpoint_amortised"] = sum(r[0]["time_checkpoint_s"] for r in measured) / len(measured)
+    out["rollout_tokens_per_s"] = statistics.mean(r[0]["rollout_tokens_per_s"] for r in measured)
+    # Trainer throughput: the response tokens of the step (all K mini-batches) per second of
+    # recompute + training; the prompt tokens ride along in every forward but earn no gradient.
+    out["train_tokens_per_s"] = statistics.mean(
+        sum(m["response_tokens"] for m in r) / (r[0]["time_recompute_s"] + r[0]["time_train_s"]) for r in measured)
+    out["wall_s"] = wall
+    out["reward_mean"] = statistics.mean(r[0]["reward_mean"] for r in measured)
+    return out
+
+
+def print_table(results: dict[str, dict], demo_interval: int) -> None:
+    """Seconds per rollout step by phase, with its share of the step as the demo runs it: the
+    checkpoint's measured time spread over the demo's checkpoint interval."""
+    names = list(results)
+    head = f"{'phase (s per rollout step)':34s}" + "".join(f"{n:>22s}" for n in names)
+    if len(names) == 2:
+        head += f"{'ratio 2nd/1st':>16s}"
+    print(head)
+    rows = [(label, key) for label, key in PHASES[:-1]] + [
+        (f"checkpoint (1 per {demo_interval} steps)", "checkpoint"), ("other (batch broadcast, logs)", "other"),
+        ("step total", "total")]
+    shares = {}
+    for label, key in rows:
+        line, values = f"{label:34s}", []
+        for n in names:
+            r = results[n]
+            measured_other = r["step"] - sum(r[k] for _, k in PHASES[:-1]) - r["checkpoint_amortised"]
+            phase = {"checkpoint": r["time_checkpoint_s"] / demo_interval, "other": measured_other}
+            total = sum(r[k] for _, k in PHASES[:-1]) + phase["checkpoint"] + phase["other"]
+            v = total if key == "total" else phase.get(key, r.get(key))
+            shares.setdefault(n, {})[label] = v / total
+            values.append(v)
+            line += f"{v:14.3f} s" + (f" {v / total:5.0%}" if key != "total" else "      ")
+        if len(names) == 2:
+            line += f"{values[1] / values[0]:15.2f}x" if values[0] > 0 else f"{'-':>16s}"
+        print(line)
+    print(f"{'checkpoint, one save':34s}" + "".join(f"{results[n]['time_checkpoint_s']:14.3f} s      " for n in names))
+    for label, key in [("rollout tokens/s (SGLang)", "rollout_tokens_per_s"),
+                       ("train tokens/s (response)", "train_tokens_per_s"), ("wall time of the run (s)", "wall_s")]:
+        print(f"{label:34s}" + "".join(f"{results[n][key]:16.1f}      " for n in names))
+    print(f"{'reward mean':34s}" + "".join(f"{results[n]['reward_mean']:16.3f}      " for n in names))
+    for n in names:
+        phase = {k: v for k, v in shares[n].items() if k != "step total"}
+        top = max(phase, key=phase.get)
+        print(f"[{n}] largest share: {top} ({phase[top]:.0%} of the step)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(REPO / "examples/tiny_cpu.yaml"))
+    p.add_argument("--hf", help="tiny HF model directory (default: a fresh format-warm-started one)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--checkpoint-interval", type=int, default=4)
+    p.add_argument("--variants", default="disk,broadcast", help="rollout.weight_sync values to compare")
+    p.add_argument("--override", action="append", default=[], help="config key=value for every variant")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        hf_dir = Path(args.hf) if args.hf else Path(tmp) / "hf"
+        if not args.hf:
+            from megatron_gspo.rollout.tiny_model import make_tiny_qwen3
+            from megatron_gspo.tasks.arithmetic import warm_start_format
+
+            make_tiny_qwen3(hf_dir)
+            warm_start_format(hf_dir)
+        results = {}
+        for variant in args.variants.split(","):
+            print(f"running {args.steps} steps with rollout.weight_sync={variant} ...", flush=True)
+            results[f"sync={variant}"] = run_variant(args.config, hf_dir, Path(tmp) / variant, args.steps,
+                                                     args.checkpoint_interval,
+                                                     [f"rollout.weight_sync={variant}", *args.override])
+        print()
+        from megatron_gspo.config import load_config
+        print_table(results, load_config(args.config).checkpoint.interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
