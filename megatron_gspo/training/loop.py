@@ -286,7 +286,8 @@ class Rollout:
         self.generate = functools.partial(client.generate, n=c.gspo.group_size, sampling=sampling)
         self.broadcast = None
         if r.weight_sync == "broadcast":
-            self.broadcast = BroadcastSync(self.urls)
+            # NCCL between GPUs (the exported tensors are on rank 0's GPU; SGLang's servers on theirs), else gloo
+            self.broadcast = BroadcastSync(self.urls, backend="nccl" if torch.cuda.is_available() else "gloo")
             self.broadcast.connect()
             self._stack.callback(self.broadcast.close)
 
