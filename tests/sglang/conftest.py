@@ -1,7 +1,8 @@
-"""One session-scoped pair of real SGLang servers (CPU, float32) on a tiny Qwen3 made here.
+"""One pair of real SGLang servers (CPU, float32) on a tiny Qwen3 made here, shared by this directory's
+tests and stopped after the last of them (package scope), not at the end of the whole session.
 
 Needs .venv-sglang (scripts/setup_sglang.sh). The failover test kills the second server, so it runs
-last (see pytest_collection_modifyitems).
+right after the last other test that uses the servers (see pytest_collection_modifyitems).
 """
 import pytest
 
@@ -11,7 +12,11 @@ from sglang_test_utils import API_KEY
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("kills_server") is not None)
+    killers = [item for item in items if item.get_closest_marker("kills_server")]
+    rest = [item for item in items if not item.get_closest_marker("kills_server")]
+    users = [n for n, item in enumerate(rest) if "servers" in getattr(item, "fixturenames", ())]
+    at = users[-1] + 1 if users else len(rest)
+    items[:] = rest[:at] + killers + rest[at:]
 
 
 def pytest_configure(config):
@@ -23,7 +28,7 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def servers(tiny_model_dir, tmp_path_factory):
     config = ServerConfig(model_path=str(tiny_model_dir), dtype="float32", api_key=API_KEY,
                           log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=240)

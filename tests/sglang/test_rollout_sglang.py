@@ -49,6 +49,26 @@ def test_greedy_matches_transformers_generate(servers, tokenizer, hf_model):
         assert group[0].response_ids == group[1].response_ids == expected
 
 
+def test_idle_servers_leave_the_cpu_to_the_trainer(servers):
+    """Between rollouts the trainer needs every core: an idle server must not poll in a busy loop
+    (without --sleep-on-idle SGLang's CPU scheduler burns ~1.0 CPU-second per second, measured)."""
+    import time
+
+    import psutil
+
+    trees = [[psutil.Process(s.process.pid)] + psutil.Process(s.process.pid).children(recursive=True)
+             for s in servers]
+
+    def cpu_seconds():
+        return sum(t.user + t.system for tree in trees for p in tree for t in [p.cpu_times()])
+
+    time.sleep(1)  # let the previous test's requests drain
+    before, start = cpu_seconds(), time.monotonic()
+    time.sleep(4)
+    per_server = (cpu_seconds() - before) / (time.monotonic() - start) / len(servers)
+    assert per_server < 0.25, f"an idle server used {per_server:.2f} CPU-seconds per second"
+
+
 def test_wrong_api_key_and_unreachable_server(servers, tokenizer):
     prompts = make_prompts(tokenizer, 2)
     bad_key = RolloutClient([servers[0].url], ClientConfig(api_key="wrong"))
