@@ -23,7 +23,7 @@ def preflight(config: TrainConfig) -> None:
     if model.hf_path is None:
         raise ValueError("model.hf_path is required to train: the task's prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")
-    if model.hf_path is not None and not (Path(model.hf_path) / "config.json").is_file():
+    if not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
         raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "

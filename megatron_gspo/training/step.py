@@ -97,7 +97,7 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     return records
 
 
-def _run_schedule(model, mini: PackedMiniBatch, forward_step, *, forward_only: bool):
+def run_schedule(model, mini: PackedMiniBatch, forward_step, *, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = [iter(mini.micro_batches) for _ in model] if len(model) > 1 else iter(mini.micro_batches)
@@ -119,7 +119,7 @@ def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, gr
     from megatron.core import parallel_state as ps
 
     # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
-    outputs = _run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
+    outputs = run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return _from_last_stage({})
     # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
@@ -161,7 +161,7 @@ def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings,
     optimizer.zero_grad()
     forward_step = policy_forward_step(loss, groups=groups, num_global_sequences=mini.num_global_sequences,
                                        num_microbatches=mini.num_microbatches, with_entropy=with_entropy)
-    outputs = _run_schedule(model, mini, forward_step, forward_only=False)
+    outputs = run_schedule(model, mini, forward_step, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     loss_metrics = {}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -204,7 +204,7 @@ def compute_logprobs(model: list, responses: Sequence[Trainable], loss: LossSett
     mini = pack_minibatch(responses, dp_size=groups.dp_size, dp_rank=ps.get_data_parallel_rank(),
                           max_tokens=max_tokens_per_microbatch,
                           pad_multiple=2 * group_size(groups.cp) * tp, uniform=pp > 1)
-    outputs = _run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
+    outputs = run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
     mine: dict[int, list[float]] = {}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for rows, out in zip(mini.rows, outputs):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_gspo.config import (GSPOConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig,
                                   TrainConfig)
@@ -19,7 +20,7 @@ def tiny_model(layout, *, seed: int, lr: float = 1e-3, total_steps: int = 100, p
     config = TrainConfig(
         model=ModelConfig(preset=preset, dtype="float32"),
         parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                                distributed_optimizer=distributed_optimizer),
+                                dp=layout.dp(dist.get_world_size()), distributed_optimizer=distributed_optimizer),
         gspo=GSPOConfig(num_minibatches=1, group_size=4, prompts_per_step=4),
         rollout=RolloutConfig(backend="megatron"),
         optimizer=OptimizerConfig(**{"lr": lr, "clip_grad": 0.0, **optimizer}),
