@@ -15,6 +15,8 @@ def test_remote_servers_get_an_address_of_this_host_they_can_route_to():
     # it is one of this host's addresses: a socket binds to it
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
+    # and what BroadcastSync tells remote servers by default (it used to be 127.0.0.1)
+    assert BroadcastSync(["http://10.255.0.1:30000"], master_port=29999).master_address == address
 
 
 def test_unresolvable_host_falls_back_to_the_hostname():
