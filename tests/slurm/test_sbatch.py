@@ -4,9 +4,11 @@ Two fake nodes on this machine (scripts/ci/slurm_cluster.sh: Debian's Slurm, 8 f
 H100 directives stand unchanged). The script is submitted as is; only its environment selects the tiny
 CPU config: the SGLang server on node 1, one trainer rank on each node (TP2 across the two nodes, gloo).
 
-Requeue (preemption): `scontrol requeue` while step 3 runs. Slurm SIGTERMs every step; the trainer stops
-with a checkpoint of where it is, the job comes back, the trainer resumes from that checkpoint and
-completes, and metrics.jsonl holds every step once. Slurm holds a requeued job for two minutes before it may start again; the test lifts that hold
+Requeue (preemption): `scontrol requeue` once the step-2 checkpoint exists. Slurm SIGTERMs every step; the
+trainer stops with a checkpoint of where it is, the job comes back, the trainer resumes from that checkpoint
+and completes, and metrics.jsonl holds every step once. A random model's steps take ~1 s here and the
+signal lands a few seconds after the requeue (one CI run saw two more steps finish first), so the run is
+long enough that the signal always arrives before its end and the resumed job has steps left to do. Slurm holds a requeued job for two minutes before it may start again; the test lifts that hold
 (`scontrol update StartTime=now`), which changes scheduling only.
 """
 import json
@@ -108,11 +110,11 @@ def release_requeued(cluster: dict, job_id: str, log: Path) -> None:
 def test_requeued_job_resumes_from_its_checkpoint_and_completes(cluster, tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     log = Path(f"{run_dir}.log")
-    job = submit(cluster, run_dir, tiny_model, "num_steps=4 checkpoint.interval=2")
-    # Preempt once the step-2 checkpoint exists (the trainer then works on step 3).
+    steps = 16
+    job = submit(cluster, run_dir, tiny_model, f"num_steps={steps} checkpoint.interval=2")
     wait_until(lambda: checkpointed_step(run_dir) >= 2 or job_field(cluster, job, "JobState") not in
                ("PENDING", "RUNNING", "CONFIGURING"), 420, "the step-2 checkpoint", log)
-    assert checkpointed_step(run_dir) == 2, f"no step-2 checkpoint, or the run got past it:\n{tail(log)}"
+    assert 2 <= checkpointed_step(run_dir) < steps, f"no step-2 checkpoint, or the run ended first:\n{tail(log)}"
     subprocess.run(["scontrol", "requeue", job], env=cluster, check=True, timeout=30)
     release_requeued(cluster, job, log)
     result = wait_job(cluster, job, 480, log)
@@ -123,17 +125,20 @@ def test_requeued_job_resumes_from_its_checkpoint_and_completes(cluster, tiny_mo
     assert "(restart 0)" in text and "(restart 1)" in text, result
     resumed = re.findall(r"resumed from (\S+) at step (\d+)", text)
     assert len(resumed) == 1 and Path(resumed[0][0]).resolve() == (run_dir / "checkpoints").resolve(), result
-    # The trainer stopped cleanly on Slurm's SIGTERM, with a checkpoint of where it stopped: after step 3
-    # if the step finished, or after step 2 if the server (signalled too) failed its rollout or sync first.
+    # The trainer stopped cleanly on Slurm's SIGTERM with a checkpoint of where it stopped (the step that
+    # was running if it finished, the one before if the server, signalled too, failed its rollout first),
+    # and the requeued job resumed from exactly that step with steps still to do.
     stopped = re.findall(r"stopping on SIGTERM after step (\d+)", text)
-    assert stopped and int(resumed[0][1]) == int(stopped[0]) in (2, 3), result
+    assert stopped and int(resumed[0][1]) == int(stopped[0]), result
+    assert 2 <= int(stopped[0]) < steps, f"the signal did not land mid-run (stopped after {stopped[0]}):\n{result}"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 4 * K + 1)), "steps missing or logged twice"
-    assert [r["rollout_step"] for r in records] == [s for s in range(1, 5) for _ in range(K)]
-    assert checkpointed_step(run_dir) == 4
-    assert (run_dir / "checkpoints" / "iter_0000004" / "trainer.pt").is_file()
-    # The resumed trainer gave the restarted server its weights: step 4 was sampled by version 3.
-    assert records[-1]["rollout_weight_version"] == "3", records[-1]
+    assert [r["step"] for r in records] == list(range(1, steps * K + 1)), "steps missing or logged twice"
+    assert [r["rollout_step"] for r in records] == [s for s in range(1, steps + 1) for _ in range(K)]
+    assert checkpointed_step(run_dir) == steps
+    assert (run_dir / "checkpoints" / f"iter_{steps:07d}" / "trainer.pt").is_file()
+    # The resumed trainer gave the restarted server its weights: the last step was sampled by the version
+    # the step before it produced.
+    assert records[-1]["rollout_weight_version"] == str(steps - 1), records[-1]
 
 
 @pytest.mark.slow
@@ -143,7 +148,8 @@ def test_time_limit_signal_checkpoints_then_the_job_requeues_itself(cluster, tin
     # 100), the script requeues the job, and the job resumes from that checkpoint.
     run_dir = tmp_path / "run"
     log = Path(f"{run_dir}.log")
-    job = submit(cluster, run_dir, tiny_model, "num_steps=3 checkpoint.interval=100")
+    steps = 10  # enough that the signal lands before the end (see the module docstring)
+    job = submit(cluster, run_dir, tiny_model, f"num_steps={steps} checkpoint.interval=100")
     metrics = run_dir / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= K, 420, "step 1", log)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True, timeout=30)
@@ -155,7 +161,7 @@ def test_time_limit_signal_checkpoints_then_the_job_requeues_itself(cluster, tin
     stopped = re.findall(r"stopping on SIGTERM after step (\d+)", text)
     resumed = re.findall(r"resumed from \S+ at step (\d+)", text)
     assert "time limit near" in text and stopped and resumed == stopped, result
-    assert int(stopped[0]) < 3 and checkpointed_step(run_dir) == 3
+    assert int(stopped[0]) < steps and checkpointed_step(run_dir) == steps
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 3 * K + 1))
+    assert [r["step"] for r in records] == list(range(1, steps * K + 1))
 
