@@ -38,7 +38,7 @@ from megatron_gspo.config import TrainConfig, dump_yaml, load_config, to_dict
 from megatron_gspo.convert.export import iter_hf_tensors
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training import checkpoint as ckpt
-from megatron_gspo.training.metrics import MetricsLogger, plot, rollout_metrics
+from megatron_gspo.training.metrics import MetricsLogger, plot, response_length_metrics
 from megatron_gspo.training.packing import Response
 from megatron_gspo.training.preflight import preflight
 from megatron_gspo.training.setup import Policy, build_policy, step_settings
@@ -333,9 +333,8 @@ class Rollout:
                                std=None if g.advantage_std == "none" else g.advantage_std, eps=g.advantage_eps)
         responses = [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs)
                      for s, a in zip(samples, adv.advantages_R.tolist())]
-        info = rollout_metrics(rewards, [len(s.response_ids) for s in samples],
-                               zero_signal_groups=adv.num_zero_signal_groups, num_groups=len(scored.groups))
-        info.update(scored.metrics())  # reward over every generated sample, not only the kept groups
+        info = {**scored.metrics(),  # reward over every generated sample, and over the kept groups
+                **response_length_metrics([len(s.response_ids) for s in samples])}
         versions = sorted({s.weight_version for s in samples if s.weight_version is not None})
         info.update({"dynamic_sampling_dropped_groups": float(scored.num_dropped),
                      "rollout_weight_version": ",".join(versions),

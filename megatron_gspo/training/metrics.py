@@ -19,15 +19,10 @@ PLOTTED = (("reward_mean", "mean reward"), ("clipped_fraction_seq", "clipped fra
            ("response_length_mean", "mean response length (tokens)"))
 
 
-def rollout_metrics(rewards: Sequence[float], response_lengths: Sequence[int], *,
-                    zero_signal_groups: int, num_groups: int) -> dict[str, float]:
-    """The rollout batch's part of a step's metrics (GSPO.md's list)."""
-    n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    return {"reward_mean": mean, "reward_std": std,
-            "zero_signal_group_fraction": zero_signal_groups / max(num_groups, 1),
-            "response_length_mean": sum(response_lengths) / n,
+def response_length_metrics(response_lengths: Sequence[int]) -> dict[str, float]:
+    """The trained batch's response lengths (GSPO.md's list). The reward statistics come from
+    `ScoredBatch.metrics()`, which sees every generated sample, not only the groups that train."""
+    return {"response_length_mean": sum(response_lengths) / len(response_lengths),
             "response_length_max": float(max(response_lengths))}
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron_gspo.training.metrics import MetricsLogger, plot, read_metrics, rollout_metrics
+from megatron_gspo.training.metrics import MetricsLogger, plot, read_metrics, response_length_metrics
 
 
 def test_one_json_object_per_step(tmp_path):
@@ -36,12 +36,8 @@ def test_a_new_run_starts_a_fresh_file(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 1, "a": 2}]
 
 
-def test_rollout_metrics_by_hand():
-    m = rollout_metrics([1.0, 0.0, 1.0, 1.0], [4, 2, 6, 8], zero_signal_groups=1, num_groups=2)
-    assert m["reward_mean"] == 0.75
-    assert m["reward_std"] == pytest.approx(math.sqrt(3 / 16))   # population std of {1,0,1,1}
-    assert m["zero_signal_group_fraction"] == 0.5
-    assert m["response_length_mean"] == 5.0 and m["response_length_max"] == 8.0
+def test_response_length_metrics_by_hand():
+    assert response_length_metrics([4, 2, 6, 8]) == {"response_length_mean": 5.0, "response_length_max": 8.0}
 
 
 def test_missing_optional_backends_only_warn(tmp_path, monkeypatch):
