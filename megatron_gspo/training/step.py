@@ -58,7 +58,8 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     (|Megatron - rollout| log-prob: every step with recompute, step 1 with rollout log-probs),
     entropy (token mean of the policy's entropy over the mini-batch, before its update),
     rollout_nonfinite_tokens, response_tokens, sequences, sequences_empty / _nonfinite, grad_norm, lr,
-    update_successful, microbatches, train_time_s, recompute_time_s.
+    update_successful, microbatches, train_time_s, recompute_time_s, train_tokens_per_s (response tokens
+    of every DP rank through fwd+bwd+optimizer per second of this optimizer step).
     """
     from megatron.core import parallel_state as ps
 
@@ -87,6 +88,7 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
         if scheduler is not None:
             scheduler.step(1)
         record["train_time_s"] = time.perf_counter() - start
+        record["train_tokens_per_s"] = record["response_tokens"] / max(record["train_time_s"], 1e-9)
         if settings.old_logprobs == "recompute":
             record.update(gaps[k])
             record["recompute_time_s"] = recompute_s / len(packed)

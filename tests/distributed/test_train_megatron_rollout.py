@@ -48,8 +48,16 @@ def train(hf_dir, run_dir, *overrides) -> list[dict]:
 def check_run(records: list[dict], run_dir: Path) -> None:
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 2 rollout steps x 2 mini-batches
     assert [r["rollout_weight_version"] for r in records] == ["0", "0", "1", "1"]
+    # Every metric GSPO.md lists, every step.
+    expected = {"reward_mean", "reward_std", "zero_signal_group_fraction", "response_length_mean",
+                "response_length_max", "ratio_mean", "ratio_min", "ratio_max", "clipped_fraction_seq",
+                "clipped_fraction_token", "train_rollout_abs_delta_token", "entropy", "grad_norm", "lr",
+                "rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_recompute_s",
+                "time_train_s", "time_sync_s"}
     for r in records:
-        assert 0.0 <= r["reward_mean"] <= 1.0 and r["rollout_tokens_per_s"] > 0
+        assert expected <= r.keys(), sorted(expected - r.keys())
+        assert 0.0 <= r["reward_mean"] <= 1.0 and r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0
+        assert 0.0 <= r["reward_std"] <= 0.5 and r["response_length_max"] >= r["response_length_mean"]
         assert r["response_length_mean"] >= 1
         # The sampler's log-probs are the trainer's, up to float rounding of different batch shapes.
         assert r["train_rollout_abs_delta_token"] < 1e-5 and r["train_rollout_abs_delta_seq"] < 1e-5
