@@ -6,7 +6,7 @@ CPU config: the SGLang server on node 1, one trainer rank on each node (TP2 acro
 
 Requeue (preemption): `scontrol requeue` once the step-2 checkpoint exists. Slurm SIGTERMs every step; the
 trainer stops with a checkpoint of where it is, the job comes back, the trainer resumes from that checkpoint
-and completes, and metrics.jsonl holds every step once. A random model's steps take ~1 s here and the
+and completes, and metrics.jsonl holds every step once. A random model's steps take 0.3-4 s here and the
 signal lands a few seconds after the requeue (one CI run saw two more steps finish first), so the run is
 long enough that the signal always arrives before its end and the resumed job has steps left to do. Slurm holds a requeued job for two minutes before it may start again; the test lifts that hold
 (`scontrol update StartTime=now`), which changes scheduling only.
