@@ -1,7 +1,8 @@
 """Benchmark: where a GSPO step's time goes in the CPU demo (examples/tiny_cpu.yaml), and tokens/s.
 
 Runs `megatron-gspo train` for a few rollout steps per variant (by default the demo's disk weight
-sync and the NCCL/gloo-broadcast sync, side by side in one run, same model, same seed) and prints
+sync and the NCCL/gloo-broadcast sync; `--vary KEY` compares values of any other config key), side by
+side in one run, same model, same seed, optionally repeated and interleaved, and prints
 the mean seconds per rollout step of each phase, its share of the step, and the ratio between the
 variants. The first rollout step (warm-up: first forward passes, first server requests) is left out.
 A checkpoint is saved every --checkpoint-interval steps here; its mean time is spread over the
@@ -14,6 +15,7 @@ its last checkpoint): late in the run dynamic sampling rolls out many more promp
     python benchmarks/step.py --steps 4 --variants disk
     python benchmarks/step.py --override parallel.tp=1   # any config override, for every variant
     python benchmarks/step.py --hf runs/tiny_cpu/hf_final --variants disk   # a trained model
+    python benchmarks/step.py --vary rollout.concurrency --variants 16,64 --repeats 2   # any config key
 
 Needs .venv-sglang (scripts/setup_sglang.sh); run with the trainer's .venv python.
 """
@@ -112,9 +114,15 @@ def main(argv=None) -> int:
     p.add_argument("--hf", help="tiny HF model directory (default: a fresh format-warm-started one)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--checkpoint-interval", type=int, default=4)
-    p.add_argument("--variants", default="disk,broadcast", help="rollout.weight_sync values to compare")
+    p.add_argument("--vary", default="rollout.weight_sync", help="the config key the variants set")
+    p.add_argument("--variants", default="disk,broadcast", help="values of --vary to compare")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the variants this many times, interleaved (A B A B ...), and average: the "
+                        "machine's speed drifts, and interleaving spreads the drift over every variant")
     p.add_argument("--override", action="append", default=[], help="config key=value for every variant")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         hf_dir = Path(args.hf) if args.hf else Path(tmp) / "hf"
@@ -124,12 +132,19 @@ def main(argv=None) -> int:
 
             make_tiny_qwen3(hf_dir)
             warm_start_format(hf_dir)
-        results = {}
-        for variant in args.variants.split(","):
-            print(f"running {args.steps} steps with rollout.weight_sync={variant} ...", flush=True)
-            results[f"sync={variant}"] = run_variant(args.config, hf_dir, Path(tmp) / variant, args.steps,
-                                                     args.checkpoint_interval,
-                                                     [f"rollout.weight_sync={variant}", *args.override])
+        short = args.vary.rsplit(".", 1)[-1].replace("weight_sync", "sync")
+        runs: dict[str, list[dict]] = defaultdict(list)
+        for repeat in range(args.repeats):
+            for variant in args.variants.split(","):
+                print(f"running {args.steps} steps with {args.vary}={variant} "
+                      f"({repeat + 1}/{args.repeats}) ...", flush=True)
+                runs[f"{short}={variant}"].append(run_variant(
+                    args.config, hf_dir, Path(tmp) / f"{variant}-{repeat}", args.steps, args.checkpoint_interval,
+                    [f"{args.vary}={variant}", *args.override]))
+        results = {name: {key: statistics.mean(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+        if args.repeats > 1:
+            for name, rs in runs.items():
+                print(f"[{name}] step total per repeat: " + ", ".join(f"{r['step']:.2f} s" for r in rs))
         print()
         from megatron_gspo.config import load_config
         print_table(results, load_config(args.config).checkpoint.interval)
