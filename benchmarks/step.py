@@ -22,7 +22,6 @@ Needs .venv-sglang (scripts/setup_sglang.sh); run with the trainer's .venv pytho
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from megatron_gspo.training.metrics import read_metrics  # noqa: E402  (needs the path above)
 
 PHASES = [("rollout", "time_rollout_s"), ("old log-prob recompute", "time_recompute_s"),
           ("train (fwd+bwd+optimizer)", "time_train_s"), ("weight sync", "time_sync_s"),
@@ -50,8 +51,7 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
         raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stdout[-4000:]}")
     wall = time.perf_counter() - start
     steps_seen: dict[int, list[dict]] = defaultdict(list)
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(run_dir):
         steps_seen[record["rollout_step"]].append(record)
     measured = [records for step, records in sorted(steps_seen.items()) if step > 1]
     if not measured:
@@ -64,7 +64,8 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     out["rollout_tokens_per_s"] = statistics.mean(r[0]["rollout_tokens_per_s"] for r in measured)
     # Trainer throughput: the response tokens of the step (all K mini-batches) per second of
     # recompute + training; the prompt tokens ride along in every forward but earn no gradient.
-    out["train_tokens_per_s"] = statistics.mean(
+    # (The records' own train_tokens_per_s leaves the recompute out: one optimizer step's fwd+bwd+update.)
+    out["recompute_train_tokens_per_s"] = statistics.mean(
         sum(m["response_tokens"] for m in r) / (r[0]["time_recompute_s"] + r[0]["time_train_s"]) for r in measured)
     out["wall_s"] = wall
     out["reward_mean"] = statistics.mean(r[0]["reward_mean"] for r in measured)
@@ -99,7 +100,7 @@ def print_table(results: dict[str, dict], demo_interval: int) -> None:
         print(line)
     print(f"{'checkpoint, one save':34s}" + "".join(f"{results[n]['time_checkpoint_s']:14.3f} s      " for n in names))
     for label, key in [("rollout tokens/s (SGLang)", "rollout_tokens_per_s"),
-                       ("train tokens/s (response)", "train_tokens_per_s"), ("wall time of the run (s)", "wall_s")]:
+                       ("recompute+train tokens/s", "recompute_train_tokens_per_s"), ("wall time of the run (s)", "wall_s")]:
         print(f"{label:34s}" + "".join(f"{results[n][key]:16.1f}      " for n in names))
     print(f"{'reward mean':34s}" + "".join(f"{results[n]['reward_mean']:16.3f}      " for n in names))
     for n in names:
