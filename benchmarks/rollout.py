@@ -26,15 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams  # noqa: E402
+from megatron_gspo.config import SamplingConfig  # noqa: E402
+from megatron_gspo.rollout.client import ClientConfig, RolloutClient, sglang_sampling_params  # noqa: E402
 from megatron_gspo.rollout.server import ServerConfig, launch_servers  # noqa: E402
 from megatron_gspo.rollout.tiny_model import make_tiny_qwen3  # noqa: E402
 from megatron_gspo.types import Prompt  # noqa: E402
 
 
-class _IgnoreEos(SamplingParams):
-    def to_sglang(self, n):
-        return {**super().to_sglang(n), "ignore_eos": True}
+def _ignoring_eos(sampling: SamplingConfig, n: int) -> dict:
+    return {**sglang_sampling_params(sampling, n), "ignore_eos": True}
 
 
 async def raw_rollout(url, payloads, concurrency):
@@ -65,8 +65,8 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     model_dir = make_tiny_qwen3(work / "model")
     prompts = [Prompt(group_id=i, prompt_ids=[(7 * i + j) % 500 + 1 for j in range(8)]) for i in range(args.prompts)]
-    sampling = _IgnoreEos(temperature=1.0, max_new_tokens=args.max_new_tokens)
-    payloads = [{"input_ids": pr.prompt_ids, "sampling_params": sampling.to_sglang(args.n), "return_logprob": True,
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    payloads = [{"input_ids": pr.prompt_ids, "sampling_params": _ignoring_eos(sampling, args.n), "return_logprob": True,
                  "logprob_start_len": -1} for pr in prompts]
     config = ServerConfig(model_path=str(model_dir), dtype="float32", log_dir=str(work / "logs"))
     with launch_servers(config, 1) as servers:
@@ -102,7 +102,7 @@ def main(argv=None):
         start = time.monotonic()
         broadcast.connect()
         connected = time.monotonic()
-        broadcast.sync(state.items(), "broadcast")
+        broadcast.push(state.items(), "broadcast")
         rows.append(("broadcast (connect + sync)", connected - start, time.monotonic() - connected))
         broadcast.close()
         print(f"\nweight sync of {len(state)} tensors, {nbytes / 2**20:.2f} MiB (float32):")

@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 from megatron_gspo.training.metrics import read_metrics  # noqa: E402  (needs the path above)
 
-PHASES = [("rollout", "time_rollout_s"), ("old log-prob recompute", "time_recompute_s"),
-          ("train (fwd+bwd+optimizer)", "time_train_s"), ("weight sync", "time_sync_s"),
-          ("checkpoint (when saved)", "time_checkpoint_s")]
+PHASES = [("rollout", "time/rollout_s"), ("old log-prob recompute", "time/recompute_s"),
+          ("train (fwd+bwd+optimizer)", "time/train_s"), ("weight sync", "time/sync_s"),
+          ("checkpoint (when saved)", "time/checkpoint_s")]
 
 
 def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: int, overrides: list[str]) -> dict:
@@ -57,18 +57,18 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     if not measured:
         raise SystemExit("need at least 2 steps (the first is warm-up)")
     out = {key: statistics.mean(r[0][key] for r in measured) for _, key in PHASES[:-1]}
-    saved = [r[0]["time_checkpoint_s"] for r in measured if r[0]["time_checkpoint_s"] > 0]
-    out["time_checkpoint_s"] = statistics.mean(saved) if saved else 0.0
-    out["step"] = statistics.mean(r[0]["time_step_s"] for r in measured)
-    out["checkpoint_amortised"] = sum(r[0]["time_checkpoint_s"] for r in measured) / len(measured)
-    out["rollout_tokens_per_s"] = statistics.mean(r[0]["rollout_tokens_per_s"] for r in measured)
+    saved = [r[0]["time/checkpoint_s"] for r in measured if r[0]["time/checkpoint_s"] > 0]
+    out["time/checkpoint_s"] = statistics.mean(saved) if saved else 0.0
+    out["step"] = statistics.mean(r[0]["time/step_s"] for r in measured)
+    out["checkpoint_amortised"] = sum(r[0]["time/checkpoint_s"] for r in measured) / len(measured)
+    out["rollout_tokens_per_s"] = statistics.mean(r[0]["rollout/tokens_per_s"] for r in measured)
     # Trainer throughput: the response tokens of the step (all K mini-batches) per second of
     # recompute + training; the prompt tokens ride along in every forward but earn no gradient.
-    # (The records' own train_tokens_per_s leaves the recompute out: one optimizer step's fwd+bwd+update.)
+    # (The records' own train/tokens_per_s leaves the recompute out: one optimizer step's fwd+bwd+update.)
     out["recompute_train_tokens_per_s"] = statistics.mean(
-        sum(m["response_tokens"] for m in r) / (r[0]["time_recompute_s"] + r[0]["time_train_s"]) for r in measured)
+        sum(m["train/response_tokens"] for m in r) / (r[0]["time/recompute_s"] + r[0]["time/train_s"]) for r in measured)
     out["wall_s"] = wall
-    out["reward_mean"] = statistics.mean(r[0]["reward_mean"] for r in measured)
+    out["reward_mean"] = statistics.mean(r[0]["reward/mean"] for r in measured)
     return out
 
 
@@ -89,7 +89,7 @@ def print_table(results: dict[str, dict], demo_interval: int) -> None:
         for n in names:
             r = results[n]
             measured_other = r["step"] - sum(r[k] for _, k in PHASES[:-1]) - r["checkpoint_amortised"]
-            phase = {"checkpoint": r["time_checkpoint_s"] / demo_interval, "other": measured_other}
+            phase = {"checkpoint": r["time/checkpoint_s"] / demo_interval, "other": measured_other}
             total = sum(r[k] for _, k in PHASES[:-1]) + phase["checkpoint"] + phase["other"]
             v = total if key == "total" else phase.get(key, r.get(key))
             shares.setdefault(n, {})[label] = v / total

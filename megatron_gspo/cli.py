@@ -15,6 +15,11 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_gspo.config import SamplingConfig
+
+
+_SAMPLING = SamplingConfig()
+
 
 def _rollout_parser(sub) -> None:
     p = sub.add_parser("rollout", help="sample G responses per prompt from SGLang servers into a JSONL file",
@@ -28,12 +33,13 @@ def _rollout_parser(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
     p.add_argument("--reward", help="'exact_match', 'math' or 'module:function' (default: no rewards)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per sample")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--max-new-tokens", type=int, default=256)
+    s = p.add_argument_group("sampling (megatron_gspo.config.SamplingConfig, whose defaults these are)")
+    s.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
+    s.add_argument("--top-k", type=int, default=_SAMPLING.top_k)
+    s.add_argument("--max-new-tokens", type=int, default=_SAMPLING.max_new_tokens)
     s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
+    s.add_argument("--stop", action="append", default=[], help="a string that ends a response (repeatable)")
     c = p.add_argument_group("client")
     c.add_argument("--api-key", help="API key of the servers (sent as a Bearer token)")
     c.add_argument("--concurrency", type=int, default=8, help="requests in flight per server")
@@ -51,7 +57,7 @@ def _rollout_parser(sub) -> None:
 
 
 def run_rollout(args) -> int:
-    from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams
+    from megatron_gspo.rollout.client import ClientConfig, RolloutClient
     from megatron_gspo.rollout.jsonl import read_prompts, write_samples
     from megatron_gspo.rollout.rewards import load_reward_fn, score_samples
     from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
@@ -64,8 +70,8 @@ def run_rollout(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompts = read_prompts(args.prompts, encode)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_new_tokens=args.max_new_tokens,
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               stop_token_ids=tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip()))
     client_config = ClientConfig(concurrency_per_server=args.concurrency, request_timeout_s=args.request_timeout,
                                  max_attempts=args.max_attempts, api_key=args.api_key)

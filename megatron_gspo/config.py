@@ -5,7 +5,16 @@
 Values are parsed by the field's type (`bool`: true/false, `X | None`: none/null, tuples: comma
 separated), checked once when the dataclass is built (a `ValueError` naming the field, e.g.
 "gspo.eps_low must be in [0, 1), got -1.0"), and unknown keys are rejected with the nearest valid name.
-Paths are not touched here: `megatron_gspo.training.preflight` checks them before work starts.
+Paths and names that only the package knows (model presets, tasks) are not touched here:
+`megatron_gspo.training.preflight` checks them before work starts. This module imports nothing from
+the package, so every layer may take its section of the config.
+
+One object per concept, passed down unchanged: `ParallelConfig` is the parallel layout that
+`parallel.groups.init_megatron` and the model builder take; `SamplingConfig` is what both rollout
+backends and the offline `megatron-gspo rollout` command sample with; `GSPOConfig` the algorithm.
+
+Aliases (older key names, still accepted in YAML and overrides): gspo.temperature -> sampling.temperature,
+rollout.max_new_tokens / top_p / top_k -> sampling.max_new_tokens / top_p / top_k.
 """
 from __future__ import annotations
 
@@ -18,10 +27,6 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-
-from megatron_gspo.loss.policy import DEFAULT_CLIP
-from megatron_gspo.model.presets import PRESETS
-from megatron_gspo.parallel.groups import Layout
 
 
 def _check(ok: bool, name: str, requirement: str, value: Any) -> None:
@@ -54,13 +59,13 @@ class ModelConfig:
     def __post_init__(self):
         _check((self.hf_path is None) != (self.preset is None), "model.hf_path",
                "and model.preset: exactly one must be set", (self.hf_path, self.preset))
-        if self.preset is not None:
-            _check(self.preset in PRESETS, "model.preset", f"must be one of {sorted(PRESETS)}", self.preset)
         _check(self.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", "must be >= 0", self.moe_aux_loss_coeff)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The parallel layout of the trainer's tp * pp * cp * dp processes."""
+
     tp: int = 1
     """Tensor parallel size."""
     pp: int = 1
@@ -73,7 +78,10 @@ class ParallelConfig:
     """Data parallel size: `megatron-gspo train` launches tp * pp * cp * dp trainer processes
     (expert parallelism reuses these ranks)."""
     etp: int | None = None
-    """Expert tensor parallel size; None: Layout's default (tp when ep == 1, else 1)."""
+    """Expert tensor parallel size. None: tp when ep == 1 (experts sharded like the dense MLP; with
+    ep == 1 Megatron treats expert weights as dense parameters, reduced over DP only, so experts
+    replicated over TP ranks would miss the TP reduction), else 1 (gloo cannot do the uneven
+    all-gathers that ep > 1 with etp > 1 needs: megatron/core/tensor_parallel/mappings.py:150)."""
     vpp: int | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B), or None."""
     max_tokens_per_microbatch: int = 8192
@@ -89,9 +97,9 @@ class ParallelConfig:
         if self.vpp is not None:
             _check(self.vpp >= 2 and self.pp >= 2, "parallel.vpp", "needs vpp >= 2 and pp >= 2 (or None)", self.vpp)
         # Megatron's expert groups split each pipeline stage's tp * cp * dp ranks into etp x ep x expert-dp.
-        expert_ranks, stage_ranks = self.ep * self.layout.expert_tp, self.tp * self.cp * self.dp
+        expert_ranks, stage_ranks = self.ep * self.expert_tp, self.tp * self.cp * self.dp
         _check(stage_ranks % expert_ranks == 0, "parallel.ep",
-               f"(times etp = {self.layout.expert_tp}) must divide tp * cp * dp = {stage_ranks} (raise parallel.dp)",
+               f"(times etp = {self.expert_tp}) must divide tp * cp * dp = {stage_ranks} (raise parallel.dp)",
                self.ep)
 
     @property
@@ -100,8 +108,16 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
-    def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, vpp=self.vpp)
+    def expert_tp(self) -> int:
+        """etp with its default filled in (see etp)."""
+        if self.etp is not None:
+            return self.etp
+        return self.tp if self.ep == 1 else 1
+
+    def __str__(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep),
+                                        ("dp", self.dp)) if v > 1]
+        return "x".join(parts) or "single"
 
 
 @dataclass(frozen=True)
@@ -109,11 +125,9 @@ class GSPOConfig:
     algorithm: Literal["gspo", "gspo_token", "grpo"] = "gspo"
     """Policy loss: gspo (sequence ratio, GSPO eq. 5), gspo_token (eq. 13) or grpo (token ratio)."""
     eps_low: float | None = None
-    """Lower clip range; None: the algorithm's default (GSPO 3e-4, GRPO 0.2)."""
+    """Lower clip range; None: the algorithm's default (GSPO 3e-4, GRPO 0.2; loss.policy.clip_range)."""
     eps_high: float | None = None
-    """Upper clip range; None: the algorithm's default (GSPO 4e-4, GRPO 0.27)."""
-    temperature: float = 1.0
-    """Sampling temperature; the training logits are divided by it too, or train and rollout disagree."""
+    """Upper clip range; None: the algorithm's default (GSPO 4e-4, GRPO 0.27; loss.policy.clip_range)."""
     num_minibatches: int = 4
     """Optimizer steps per rollout batch (the paper: 4). Mini-batch 1 is on-policy."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
@@ -136,7 +150,6 @@ class GSPOConfig:
             if value is not None:
                 rule = (0 <= value < 1) if name == "eps_low" else value >= 0
                 _check(rule, f"gspo.{name}", "must be in [0, 1)" if name == "eps_low" else "must be >= 0", value)
-        _check(self.temperature > 0, "gspo.temperature", "must be > 0", self.temperature)
         _check(self.advantage_eps >= 0, "gspo.advantage_eps", "must be >= 0", self.advantage_eps)
         _positive("gspo", self, "num_minibatches", "group_size", "prompts_per_step")
         if self.advantage_std == "sample":
@@ -144,13 +157,6 @@ class GSPOConfig:
         responses = self.prompts_per_step * self.group_size
         _check(responses % self.num_minibatches == 0, "gspo.num_minibatches",
                f"must divide prompts_per_step * group_size = {responses}", self.num_minibatches)
-
-    @property
-    def clip_range(self) -> tuple[float, float]:
-        """(eps_low, eps_high) with the algorithm's defaults filled in."""
-        low, high = DEFAULT_CLIP[self.algorithm]
-        return (low if self.eps_low is None else self.eps_low,
-                high if self.eps_high is None else self.eps_high)
 
     @property
     def responses_per_step(self) -> int:
@@ -167,35 +173,49 @@ class RolloutConfig:
     num_servers: int = 1
     """SGLang servers to launch when server_urls is empty."""
     task: str = "arithmetic"
-    """Prompt source and reward verifier, by name."""
-    max_new_tokens: int = 1024
-    """Longest response sampled."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold in (0, 1]; tokens outside it get -inf log-probs in the rollout."""
-    top_k: int = -1
-    """Top-k sampling; -1 disables it."""
+    """Prompt source and reward verifier, by name (megatron_gspo.tasks.TASKS)."""
     concurrency: int = 64
     """Requests in flight per server."""
-    weight_sync: Literal["disk", "broadcast"] = "disk"
+    weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
-    under run_dir/weights that the servers read; needs a file system they share) or broadcast
-    (a gloo/NCCL group of trainer rank 0 and the servers)."""
+    under run_dir/weights that the servers read; needs a file system they share), tensor (shared
+    memory / CUDA IPC handles: servers on rank 0's host only) or broadcast (a gloo/NCCL group of
+    trainer rank 0 and the servers)."""
     request_timeout_s: float = 600.0
     """Seconds before a generation request is retried."""
 
     def __post_init__(self):
-        _positive("rollout", self, "num_servers", "max_new_tokens", "concurrency")
-        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "must be -1 or >= 1", self.top_k)
+        _positive("rollout", self, "num_servers", "concurrency")
         _check(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0", self.request_timeout_s)
-        from megatron_gspo.tasks import TASKS
-        _check(self.task in TASKS, "rollout.task", f"must be one of {sorted(TASKS)}", self.task)
         if self.backend == "megatron":
             _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
                    self.server_urls)
-            _check(self.top_p == 1 or self.top_k >= 1, "rollout.top_p",
-                   "< 1 needs rollout.top_k >= 1 with backend=megatron (the nucleus is searched among the "
-                   "top-k tokens)", self.top_p)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled: the same object for the SGLang servers, the in-process Megatron
+    sampler and `megatron-gspo rollout`."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the training logits are divided by it too, or train and rollout disagree.
+    Training needs > 0; 0 (greedy) serves offline rollouts from SGLang only."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]; tokens outside it get -inf log-probs in the rollout."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_new_tokens: int = 1024
+    """Longest response sampled (finish_reason "length")."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response besides the model's EOS ids (the stop token is part of it)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (SGLang only)."""
+
+    def __post_init__(self):
+        _check(self.temperature >= 0, "sampling.temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "sampling.top_k", "must be -1 or >= 1", self.top_k)
+        _positive("sampling", self, "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -276,7 +296,9 @@ class TrainConfig:
     gspo: GSPOConfig = field(default_factory=GSPOConfig)
     """The algorithm."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Sampling."""
+    """Where rollouts come from (backend, servers, task, weight sync)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How responses are sampled."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Adam and its learning-rate schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -290,9 +312,17 @@ class TrainConfig:
 
     def __post_init__(self):
         _check(self.num_steps >= 1, "num_steps", "must be >= 1", self.num_steps)
+        # the loss divides the training logits by it: a policy's log-probs need a temperature
+        _check(self.sampling.temperature > 0, "sampling.temperature", "must be > 0 to train", self.sampling.temperature)
         if self.rollout.backend == "sglang":
             _check(self.model.hf_path is not None, "model.hf_path",
                    "is required with rollout.backend=sglang (SGLang serves Hugging Face weights)", None)
+        else:
+            _check(self.sampling.top_p == 1 or self.sampling.top_k >= 1, "sampling.top_p",
+                   "< 1 needs sampling.top_k >= 1 with rollout.backend=megatron (the nucleus is searched among "
+                   "the top-k tokens)", self.sampling.top_p)
+            _check(not self.sampling.stop, "sampling.stop", "is not supported by rollout.backend=megatron "
+                   "(stop token ids are)", self.sampling.stop)
         if self.checkpoint.export_hf is not None:
             _check(self.checkpoint.dir is not None, "checkpoint.export_hf",
                    "needs checkpoint.dir (the export converts the final checkpoint)", self.checkpoint.export_hf)
@@ -306,6 +336,31 @@ class TrainConfig:
 
 # ---- loading -------------------------------------------------------------------------------------
 
+ALIASES: dict[str, str] = {
+    "gspo.temperature": "sampling.temperature",
+    "rollout.max_new_tokens": "sampling.max_new_tokens",
+    "rollout.top_p": "sampling.top_p",
+    "rollout.top_k": "sampling.top_k",
+}
+"""Older key -> its key now. Both spellings load; the resolved config (dump_yaml) uses the new one."""
+
+
+def _apply_aliases(raw: dict, where: str) -> None:
+    """Move aliased YAML keys to their sections (in place); both spellings at once is an error."""
+    for old, new in ALIASES.items():
+        old_section, old_leaf = old.split(".")
+        section = raw.get(old_section)
+        if not isinstance(section, dict) or old_leaf not in section:
+            continue
+        new_section, new_leaf = new.split(".")
+        target = raw.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # reported as "must be a mapping" by from_dict
+        if new_leaf in target:
+            raise ValueError(f"{where}: {old} and {new} are the same setting; give only {new}")
+        target[new_leaf] = section.pop(old_leaf)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """TrainConfig from a YAML file (or the defaults) with `key.sub=value` overrides applied."""
     raw: dict = {}
@@ -314,11 +369,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raw = yaml.safe_load(f) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+        _apply_aliases(raw, str(path))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key.sub=value")
-        *parents, leaf = key.strip().split(".")
+        key = ALIASES.get(key.strip(), key.strip())
+        *parents, leaf = key.split(".")
         cls, node, prefix = TrainConfig, raw, ""
         for part in parents:
             tp = _field_type(cls, part, prefix)
@@ -393,6 +450,7 @@ def _suggestion(key: str, prefix: str, hints: dict) -> str:
 
 
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+_TUPLE_ITEMS = {str: "strings", int: "integers"}
 
 
 def _optional_inner(tp):
@@ -411,7 +469,7 @@ def _parse_text(text: str, tp, name: str):
         return None
     if typing.get_origin(inner) is tuple:
         text = text.strip("[]()")
-        return tuple(s.strip() for s in text.split(",") if s.strip())
+        return _coerce(tuple(s.strip() for s in text.split(",") if s.strip()), tp, name)
     if inner is bool:
         if text.lower() in _TRUE | _FALSE:
             return text.lower() in _TRUE
@@ -441,7 +499,15 @@ def _coerce(value, tp, name: str):
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value
     if typing.get_origin(inner) is tuple:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        item = typing.get_args(inner)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list of {_TUPLE_ITEMS[item]}, got {value!r}")
+        if item is int:
+            try:
+                return tuple(int(v) if isinstance(v, str) else _coerce(v, int, name) for v in value)
+            except ValueError:
+                raise ValueError(f"{name} must be a list of integers, got {value!r}") from None
+        if not all(isinstance(v, str) for v in value):
             raise ValueError(f"{name} must be a list of strings, got {value!r}")
         return tuple(value)
     if inner is bool:

@@ -6,7 +6,8 @@ per-sequence sums are all-reduced over `cp_group`.
 
 Each function returns (loss_sum, num_sequences, metrics) with loss_sum / N_global = -J, where N_global
 is num_sequences summed over every rank of the global batch (each sequence counted once: on CP rank 0).
-The math follows ../shared/GSPO.md; its numbered properties are tested in tests/unit/test_policy_loss.py.
+Equation numbers are those of arXiv 2507.18071 (GSPO); the properties an implementation must have are
+listed in docs/gspo.md and tested in tests/unit/test_policy_loss.py.
 """
 from __future__ import annotations
 
@@ -163,6 +164,13 @@ def _token_mean_loss(objective_T, clipped_T, ratio_S, seqs: _Sequences):
 _ALGORITHMS: dict[str, Callable] = {"gspo": gspo, "gspo_token": gspo_token, "grpo": grpo}
 
 
+def clip_range(algorithm: Algorithm, eps_low: float | None = None, eps_high: float | None = None
+               ) -> tuple[float, float]:
+    """(eps_low, eps_high) with the algorithm's defaults (DEFAULT_CLIP) in place of None."""
+    default_low, default_high = DEFAULT_CLIP[algorithm]
+    return (default_low if eps_low is None else eps_low, default_high if eps_high is None else eps_high)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, cu_seqlens, *, algorithm: Algorithm = "gspo",
                 eps_low: float | None = None, eps_high: float | None = None, cp_group=None,
@@ -177,9 +185,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     """
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(_ALGORITHMS)}, got {algorithm!r}")
-    default_low, default_high = DEFAULT_CLIP[algorithm]
-    eps_low = default_low if eps_low is None else eps_low
-    eps_high = default_high if eps_high is None else eps_high
+    eps_low, eps_high = clip_range(algorithm, eps_low, eps_high)
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
     seqs = _sequences(logprobs, old_logprobs, loss_mask, cu_seqlens, cp_group)
@@ -218,7 +224,7 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
 
 
 def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """User-facing numbers from reduced raw aggregates (GSPO.md's metric list)."""
+    """User-facing numbers from reduced raw aggregates (docs/gspo.md's metric list)."""
     get = lambda k: float(raw[k])
     valid, tokens = max(get("sequences_valid"), 1.0), max(get("tokens"), 1.0)
     return {

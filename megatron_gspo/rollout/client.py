@@ -21,34 +21,20 @@ from typing import Sequence
 
 import httpx
 
+from megatron_gspo.config import SamplingConfig
 from megatron_gspo.types import Prompt, Sample
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """SGLang `sampling_params` (names as SGLang spells them)."""
-
-    temperature: float = 1.0
-    """Softmax temperature; the returned log-probs are log_softmax(logits / temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = -1
-    """Top-k truncation (-1: off)."""
-    max_new_tokens: int = 256
-    """Response length cap (finish_reason "length")."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra token ids that end a response (eos always does)."""
-    stop: tuple[str, ...] = ()
-    """Strings that end a response."""
-
-    def to_sglang(self, n: int) -> dict:
-        params = {"n": n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                  "max_new_tokens": self.max_new_tokens}
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        if self.stop:
-            params["stop"] = list(self.stop)
-        return params
+def sglang_sampling_params(sampling: SamplingConfig, n: int) -> dict:
+    """SGLang's `sampling_params` for G = n samples (names as SGLang spells them). EOS always ends a
+    response; stop_token_ids and stop strings are further ends."""
+    params = {"n": n, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+              "max_new_tokens": sampling.max_new_tokens}
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.stop:
+        params["stop"] = list(sampling.stop)
+    return params
 
 
 @dataclass(frozen=True)
@@ -127,11 +113,11 @@ class RolloutClient:
         self.config = config
 
     def generate_sync(self, prompts: Sequence[Prompt], n: int,
-                      sampling: SamplingParams = SamplingParams()) -> tuple[list[list[Sample]], RolloutStats]:
+                      sampling: SamplingConfig = SamplingConfig()) -> tuple[list[list[Sample]], RolloutStats]:
         return asyncio.run(self.generate(prompts, n, sampling))
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
-                       sampling: SamplingParams = SamplingParams()) -> tuple[list[list[Sample]], RolloutStats]:
+                       sampling: SamplingConfig = SamplingConfig()) -> tuple[list[list[Sample]], RolloutStats]:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         ids = [p.group_id for p in prompts]
@@ -193,8 +179,8 @@ class RolloutClient:
         return groups, stats
 
     async def _request(self, http: httpx.AsyncClient, url: str, prompt: Prompt, n: int,
-                       sampling: SamplingParams) -> list[Sample]:
-        payload = {"input_ids": list(prompt.prompt_ids), "sampling_params": sampling.to_sglang(n),
+                       sampling: SamplingConfig) -> list[Sample]:
+        payload = {"input_ids": list(prompt.prompt_ids), "sampling_params": sglang_sampling_params(sampling, n),
                    "return_logprob": True, "logprob_start_len": -1}
         try:
             response = await http.post(f"{url}/generate", json=payload)

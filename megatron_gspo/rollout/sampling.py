@@ -9,8 +9,8 @@ prompts per kept group), at most `max_prompts_per_round` prompts a round. After 
 the batch is topped up with dropped zero-signal groups (zero advantage: they change no weight) instead
 of failing: late in a run, when nearly every prompt is solved, that is the normal case.
 
-What was dropped, padded and left over is reported, never hidden, and `ScoredBatch.metrics()` gives
-the reward of *every* generated sample: the kept groups all have signal, so their mean reward is pulled
+What was dropped, padded and left over is reported, never hidden, and `ScoredBatch.metrics()` (the one
+definition of the rollout's metrics) gives the reward of *every* generated sample: the kept groups all have signal, so their mean reward is pulled
 towards the middle and is not the policy's reward.
 """
 from __future__ import annotations
@@ -19,11 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence
 
+from megatron_gspo.rollout.client import RolloutStats
 from megatron_gspo.rollout.rewards import RewardFn, score_samples
 from megatron_gspo.types import Prompt, Sample
 
-GenerateFn = Callable[[Sequence[Prompt]], Awaitable[tuple[list[list[Sample]], object]]]
-"""Rolls out G samples per prompt: e.g. functools.partial(RolloutClient.generate, n=G, sampling=...)."""
+GenerateFn = Callable[[Sequence[Prompt]], Awaitable[tuple[list[list[Sample]], RolloutStats]]]
+"""Rolls out G samples per prompt: a rollout backend's `generate` (rollout/backends.py)."""
 
 
 class PromptsExhausted(RuntimeError):
@@ -43,8 +44,8 @@ class ScoredBatch:
     """Groups with signal generated beyond `num_groups` by over-sampling (not used)."""
     rounds: int = 0
     """Generate calls made."""
-    rollout_stats: list = field(default_factory=list)
-    """What each generate call returned besides the groups (RolloutStats for the HTTP client)."""
+    rollout_stats: list[RolloutStats] = field(default_factory=list)
+    """What each generate call returned besides the groups."""
     generated_rewards: list[list[float]] = field(default_factory=list)
     """The rewards of every generated group (kept, dropped or surplus), in generation order."""
 
@@ -64,6 +65,8 @@ class ScoredBatch:
         mean = sum(flat) / n
         trained = [s.reward for group in self.groups for s in group]
         zero = sum(not _varies(group) for group in self.generated_rewards)
+        versions = sorted({s.weight_version for s in self.samples if s.weight_version is not None})
+        stats = self.rollout_stats
         return {"reward_mean": mean,
                 "reward_std": math.sqrt(sum((r - mean) ** 2 for r in flat) / n),
                 "zero_signal_group_fraction": zero / max(len(self.generated_rewards), 1),
@@ -71,7 +74,29 @@ class ScoredBatch:
                 "zero_signal_group_fraction_trained":
                     sum(not has_signal(g) for g in self.groups) / max(len(self.groups), 1),
                 "rollout_groups_generated": float(len(self.generated_rewards)),
-                "dynamic_sampling_padded_groups": float(len(self.padded_group_ids))}
+                "dynamic_sampling_padded_groups": float(len(self.padded_group_ids)),
+                "dynamic_sampling_dropped_groups": float(self.num_dropped),
+                **response_length_metrics([len(s.response_ids) for s in self.samples]),
+                "rollout_weight_version": ",".join(versions),
+                # over every round of dynamic sampling: all response tokens / all generation time
+                "rollout_tokens_per_s": (sum(st.response_tokens for st in stats)
+                                         / max(sum(st.elapsed_s for st in stats), 1e-9))}
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The trained samples, group after group."""
+        return [s for group in self.groups for s in group]
+
+    @property
+    def rewards(self) -> list[float]:
+        """The trained samples' rewards, in the order of `samples`."""
+        return [s.reward for s in self.samples]
+
+
+def response_length_metrics(response_lengths: Sequence[int]) -> dict[str, float]:
+    """The trained batch's response lengths."""
+    return {"response_length_mean": sum(response_lengths) / max(len(response_lengths), 1),
+            "response_length_max": float(max(response_lengths, default=0))}
 
 
 def _varies(rewards: Sequence[float]) -> bool:

@@ -1,5 +1,11 @@
 """Pushing new weights from the trainer into SGLang servers: from disk, by tensor, by broadcast.
 
+    sync = open_weight_sync("disk", urls, folder=run_dir / "weights", config_dir=hf_path)
+    sync.push(named_tensors, version="7")     # every server now serves these weights as version "7"
+    sync.close()
+
+One protocol (`WeightSync`: push, close), three transports (`DiskSync`, `TensorSync`, `BroadcastSync`).
+
 Input is an iterable of (Hugging Face name, full tensor), e.g. `convert.export.iter_hf_tensors(...)`
 (one tensor per expert, q/k/v and gate/up separate: SGLang fuses them itself while loading). Every
 server is updated directly (sglang_router does not forward these endpoints), each update is wrapped
@@ -26,7 +32,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Literal, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +44,36 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 class WeightSyncError(RuntimeError):
     """A server refused or failed an update; the message names the server and endpoint."""
+
+
+class WeightSync(Protocol):
+    """How new weights reach the rollout servers. `push` consumes (HF name, full tensor) pairs in order
+    and returns once every server reports `version`; `close` releases what the transport holds."""
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+WeightSyncKind = Literal["disk", "tensor", "broadcast"]
+
+
+def open_weight_sync(kind: WeightSyncKind, urls: list[str], *, folder: str | Path, config_dir: str | Path,
+                     api_key: str | None = None) -> WeightSync:
+    """The transport `kind` to the servers at `urls` (connected: ready to push).
+
+    disk writes to `folder` (a path the servers can read; config and tokenizer files come from
+    `config_dir`); broadcast uses NCCL when this process has a GPU, else gloo."""
+    if kind == "disk":
+        return DiskSync(urls, folder, config_dir, api_key=api_key)
+    if kind == "tensor":
+        return TensorSync(urls, api_key=api_key)
+    if kind == "broadcast":
+        # NCCL between GPUs (the exported tensors are on rank 0's GPU, SGLang's on theirs), else gloo.
+        sync = BroadcastSync(urls, api_key=api_key, backend="nccl" if torch.cuda.is_available() else "gloo")
+        sync.connect()
+        return sync
+    raise ValueError(f"weight sync must be one of disk, tensor, broadcast, got {kind!r}")
 
 
 class ServerAdmin:
@@ -140,6 +176,20 @@ def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, ap
     _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)))
 
 
+class DiskSync:
+    """WeightSync through a shared file system: an HF checkpoint in `folder`, loaded by every server."""
+
+    def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None):
+        self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        written = write_hf_checkpoint(named_tensors, self.folder, self.config_dir)
+        sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key)
+
+    def close(self) -> None:
+        pass
+
+
 # -------------------------------------------------------------------------------------- tensor
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -166,6 +216,19 @@ def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, a
                        "weight_version": version, "flush_cache": True}
             _on_all(admins, lambda a: a.post("/update_weights_from_tensor", payload))
     _update(admins, version, body)
+
+
+class TensorSync:
+    """WeightSync for servers on this host: tensors shared with the server processes, not copied."""
+
+    def __init__(self, urls: list[str], api_key: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.urls, self.api_key, self.bucket_bytes = list(urls), api_key, bucket_bytes
+
+    def push(self, named_tensors: NamedTensors, version: str) -> None:
+        sync_by_tensor(self.urls, named_tensors, version, api_key=self.api_key, bucket_bytes=self.bucket_bytes)
+
+    def close(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------- broadcast
@@ -206,7 +269,7 @@ class BroadcastSync:
     """Weight updates by broadcast from the trainer (rank 0) to every server.
 
     connect() once (every server joins one group; server i's ranks start at 1 + the TP sizes of the
-    servers before it), then sync() per update, close() at the end.
+    servers before it), then push() per update, close() at the end.
     """
 
     def __init__(self, urls: list[str], api_key: str | None = None, master_address: str | None = None,
@@ -240,7 +303,7 @@ class BroadcastSync:
                 for f in futures:
                     f.result()
 
-    def sync(self, named_tensors: NamedTensors, version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def push(self, named_tensors: NamedTensors, version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if self.group is None:
             raise RuntimeError("call connect() first")
 

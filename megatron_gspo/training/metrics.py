@@ -2,8 +2,14 @@
 and a PNG of reward, clipped fraction and response length over steps (when matplotlib is installed).
 
 metrics.jsonl holds one JSON object per optimizer step: {"step": 12, "rollout_step": 3,
-"reward_mean": 0.41, "clipped_fraction_seq": 0.02, ...}. Non-finite numbers are written as null
+"reward/mean": 0.41, "loss/clipped_fraction_seq": 0.02, ...}. Non-finite numbers are written as null
 (JSON has no NaN). Only rank 0 should create a MetricsLogger.
+
+Metric names are namespaced: reward/ (the verifier's rewards), rollout/ (what was generated), loss/ (the
+policy loss and its ratios), train/ (optimizer, gradients, the policy's entropy, train-vs-rollout
+log-prob gap), time/ (seconds). `METRIC_NAMES` maps the names the code computes to the logged ones; it
+is also the documented mapping from the names of runs logged before the namespaces (`read_metrics`
+renames those records).
 """
 from __future__ import annotations
 
@@ -11,19 +17,71 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Sequence
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
-PLOTTED = (("reward_mean", "mean reward"), ("clipped_fraction_seq", "clipped fraction (sequences)"),
-           ("response_length_mean", "mean response length (tokens)"))
+
+METRIC_NAMES: dict[str, str] = {
+    # reward/: over every generated sample; *_trained over the groups that train (rollout/sampling.py)
+    "reward_mean": "reward/mean",
+    "reward_std": "reward/std",
+    "reward_mean_trained": "reward/mean_trained",
+    "zero_signal_group_fraction": "reward/zero_signal_group_fraction",
+    "zero_signal_group_fraction_trained": "reward/zero_signal_group_fraction_trained",
+    # rollout/
+    "rollout_groups_generated": "rollout/groups_generated",
+    "dynamic_sampling_dropped_groups": "rollout/dynamic_sampling_dropped_groups",
+    "dynamic_sampling_padded_groups": "rollout/dynamic_sampling_padded_groups",
+    "response_length_mean": "rollout/response_length_mean",
+    "response_length_max": "rollout/response_length_max",
+    "rollout_weight_version": "rollout/weight_version",
+    "rollout_tokens_per_s": "rollout/tokens_per_s",
+    # loss/: the mini-batch's objective and its importance ratios (loss/policy.py)
+    "loss": "loss/value",
+    "clipped_fraction_seq": "loss/clipped_fraction_seq",
+    "clipped_fraction_token": "loss/clipped_fraction_token",
+    "ratio_mean": "loss/ratio_mean",
+    "ratio_min": "loss/ratio_min",
+    "ratio_max": "loss/ratio_max",
+    "abs_log_ratio_per_token": "loss/abs_log_ratio_per_token",
+    "abs_log_ratio_per_seq": "loss/abs_log_ratio_per_seq",
+    "sequences_empty": "loss/sequences_empty",
+    "sequences_nonfinite": "loss/sequences_nonfinite",
+    # train/: one optimizer step (training/step.py)
+    "sequences": "train/sequences",
+    "response_tokens": "train/response_tokens",
+    "entropy": "train/entropy",
+    "train_rollout_abs_delta_token": "train/rollout_abs_delta_token",
+    "train_rollout_abs_delta_seq": "train/rollout_abs_delta_seq",
+    "rollout_nonfinite_tokens": "train/rollout_nonfinite_tokens",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr",
+    "update_successful": "train/update_successful",
+    "microbatches": "train/microbatches",
+    "train_tokens_per_s": "train/tokens_per_s",
+    # time/: the rollout step's phases (the driver), and this optimizer step's own share
+    "time_rollout_s": "time/rollout_s",
+    "time_recompute_s": "time/recompute_s",
+    "time_train_s": "time/train_s",
+    "time_sync_s": "time/sync_s",
+    "time_checkpoint_s": "time/checkpoint_s",
+    "time_step_s": "time/step_s",
+    "train_time_s": "time/minibatch_train_s",
+    "recompute_time_s": "time/minibatch_recompute_s",
+}
+"""Computed (and pre-namespace) name -> logged name. Every logged metric is listed here."""
+
+PLOTTED = (("reward/mean", "mean reward"), ("loss/clipped_fraction_seq", "clipped fraction (sequences)"),
+           ("rollout/response_length_mean", "mean response length (tokens)"))
 
 
-def response_length_metrics(response_lengths: Sequence[int]) -> dict[str, float]:
-    """The trained batch's response lengths (GSPO.md's list). The reward statistics come from
-    `ScoredBatch.metrics()`, which sees every generated sample, not only the groups that train."""
-    return {"response_length_mean": sum(response_lengths) / len(response_lengths),
-            "response_length_max": float(max(response_lengths))}
+def namespaced(metrics: dict) -> dict:
+    """`metrics` under their logged names; a name missing from METRIC_NAMES is an error, so that every
+    metric is documented."""
+    unknown = sorted(set(metrics) - set(METRIC_NAMES))
+    if unknown:
+        raise KeyError(f"metrics without a logged name in METRIC_NAMES: {unknown}")
+    return {METRIC_NAMES[k]: v for k, v in metrics.items()}
 
 
 def _clean(value):
@@ -97,14 +155,16 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl (a torn last line, from a crash mid-write, is skipped)."""
+    """The records of RUN_DIR/metrics.jsonl (a torn last line, from a crash mid-write, is skipped).
+    Records of runs logged before the namespaces come back under the logged names of today."""
     records = []
     with open(Path(run_dir) / METRICS_FILE) as f:
         for line in f:
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            records.append({METRIC_NAMES.get(k, k): v for k, v in record.items()})
     return records
 
 

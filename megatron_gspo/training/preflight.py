@@ -1,10 +1,13 @@
-"""Checks that need the file system, run before any work starts (config.py checks values only)."""
+"""Checks that need the file system or the package's registries, run before any work starts
+(config.py checks values only and knows nothing of the package)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.tasks import TASKS
 
 
 def _writable(path: str, name: str) -> None:
@@ -18,8 +21,13 @@ def _writable(path: str, name: str) -> None:
 
 
 def preflight(config: TrainConfig) -> None:
-    """Raise ValueError naming the setting when a path the run needs is missing or not writable."""
+    """Raise ValueError naming the setting when a path the run needs is missing or not writable, or a
+    named preset or task does not exist."""
     model = config.model
+    if model.preset is not None and model.preset not in PRESETS:
+        raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
+    if config.rollout.task not in TASKS:
+        raise ValueError(f"rollout.task must be one of {sorted(TASKS)}, got {config.rollout.task!r}")
     if model.hf_path is None:
         raise ValueError("model.hf_path is required to train: the task's prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")

@@ -1,6 +1,6 @@
 """From a TrainConfig to what train_on_batch needs: the model chunks, Adam + schedule, step settings.
 
-Call after `parallel.groups.init_megatron(config.parallel.layout)`. Initial weights are the
+Call after `parallel.groups.init_megatron(config.parallel)`. Initial weights are the
 caller's choice (random from `config.seed`, `convert.load.load_weights(policy.model, ...)`, or
 `checkpoint.load_checkpoint` when resuming).
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.loss.policy import clip_range
 from megatron_gspo.model.gpt import Qwen3Shape, build_model, transformer_config
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.training.forward_step import LossSettings
@@ -41,7 +42,7 @@ def build_policy(config: TrainConfig) -> Policy:
 
     shape = model_shape(config)
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-    layout = config.parallel.layout
+    layout = config.parallel
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     torch.manual_seed(config.seed)
     model = build_model(shape, transformer_config(shape, layout, params_dtype=dtype,
@@ -54,9 +55,9 @@ def build_policy(config: TrainConfig) -> Policy:
 
 def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
     gspo = config.gspo
-    eps_low, eps_high = gspo.clip_range
+    eps_low, eps_high = clip_range(gspo.algorithm, gspo.eps_low, gspo.eps_high)
     return StepSettings(
         loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
-                          temperature=gspo.temperature, vocab_size=shape.vocab_size),
+                          temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
         num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
         max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch)

@@ -47,21 +47,21 @@ def train(hf_dir, run_dir, *overrides) -> list[dict]:
 
 def check_run(records: list[dict], run_dir: Path) -> None:
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 2 rollout steps x 2 mini-batches
-    assert [r["rollout_weight_version"] for r in records] == ["0", "0", "1", "1"]
-    # Every metric GSPO.md lists, every step.
-    expected = {"reward_mean", "reward_std", "zero_signal_group_fraction", "response_length_mean",
-                "response_length_max", "ratio_mean", "ratio_min", "ratio_max", "clipped_fraction_seq",
-                "clipped_fraction_token", "train_rollout_abs_delta_token", "entropy", "grad_norm", "lr",
-                "rollout_tokens_per_s", "train_tokens_per_s", "time_rollout_s", "time_recompute_s",
-                "time_train_s", "time_sync_s"}
+    assert [r["rollout/weight_version"] for r in records] == ["0", "0", "1", "1"]
+    # Every metric docs/gspo.md lists, every step.
+    expected = {"reward/mean", "reward/std", "reward/zero_signal_group_fraction", "rollout/response_length_mean",
+                "rollout/response_length_max", "loss/ratio_mean", "loss/ratio_min", "loss/ratio_max", "loss/clipped_fraction_seq",
+                "loss/clipped_fraction_token", "train/rollout_abs_delta_token", "train/entropy", "train/grad_norm", "train/lr",
+                "rollout/tokens_per_s", "train/tokens_per_s", "time/rollout_s", "time/recompute_s",
+                "time/train_s", "time/sync_s"}
     for r in records:
         assert expected <= r.keys(), sorted(expected - r.keys())
-        assert 0.0 <= r["reward_mean"] <= 1.0 and r["rollout_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0
-        assert 0.0 <= r["reward_std"] <= 0.5 and r["response_length_max"] >= r["response_length_mean"]
-        assert r["response_length_mean"] >= 1
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["rollout/tokens_per_s"] > 0 and r["train/tokens_per_s"] > 0
+        assert 0.0 <= r["reward/std"] <= 0.5 and r["rollout/response_length_max"] >= r["rollout/response_length_mean"]
+        assert r["rollout/response_length_mean"] >= 1
         # The sampler's log-probs are the trainer's, up to float rounding of different batch shapes.
-        assert r["train_rollout_abs_delta_token"] < 1e-5 and r["train_rollout_abs_delta_seq"] < 1e-5
-    assert records[0]["clipped_fraction_seq"] == records[2]["clipped_fraction_seq"] == 0.0
+        assert r["train/rollout_abs_delta_token"] < 1e-5 and r["train/rollout_abs_delta_seq"] < 1e-5
+    assert records[0]["loss/clipped_fraction_seq"] == records[2]["loss/clipped_fraction_seq"] == 0.0
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (run_dir / "ckpt" / "iter_0000002" / "trainer.pt").is_file()
 
@@ -79,7 +79,7 @@ def test_two_steps_with_in_process_rollouts(tiny_moe_dir, tmp_path, layout):
 def test_two_steps_per_algorithm(tiny_moe_dir, tmp_path, algorithm):
     records = train(tiny_moe_dir, tmp_path / "run", *LAYOUTS["one_process"], f"gspo.algorithm={algorithm}")
     check_run(records, tmp_path / "run")
-    assert all(math.isfinite(r["loss"]) for r in records)
+    assert all(math.isfinite(r["loss/value"]) for r in records)
 
 
 def checkpoint_tensors(directory: Path) -> dict:
@@ -115,7 +115,7 @@ def test_killed_run_resumes_exactly(tiny_moe_dir, tmp_path):
     resumed = train(tiny_moe_dir, run_dir, *steps)
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for a, b in zip(whole[4:], resumed[4:]):  # steps 3-4: the same samples, the same updates
-        assert (a["reward_mean"], a["loss"], a["grad_norm"]) == (b["reward_mean"], b["loss"], b["grad_norm"])
+        assert (a["reward/mean"], a["loss/value"], a["train/grad_norm"]) == (b["reward/mean"], b["loss/value"], b["train/grad_norm"])
     ref = checkpoint_tensors(tmp_path / "whole" / "ckpt" / "iter_0000004")
     got = checkpoint_tensors(run_dir / "ckpt" / "iter_0000004")
     assert ref.keys() == got.keys() and len(ref) > 10

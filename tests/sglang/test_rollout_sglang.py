@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutError, SamplingParams
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutError
 from sglang_test_utils import API_KEY, make_prompts, recompute_logprobs
 
 pytestmark = pytest.mark.sglang
@@ -21,7 +22,7 @@ def client(servers, **overrides):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_model, temperature):
     prompts = make_prompts(tokenizer, 6)
-    sampling = SamplingParams(temperature=temperature, max_new_tokens=24)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=24)
     groups, stats = client(servers).generate_sync(prompts, G, sampling)
     assert [g[0].group_id for g in groups] == list(range(6))
     deltas = []
@@ -42,7 +43,7 @@ def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_mod
 
 def test_greedy_matches_transformers_generate(servers, tokenizer, hf_model):
     prompts = make_prompts(tokenizer, 3, seed=1)
-    groups, _ = client(servers).generate_sync(prompts, 2, SamplingParams(temperature=0.0, max_new_tokens=16))
+    groups, _ = client(servers).generate_sync(prompts, 2, SamplingConfig(temperature=0.0, max_new_tokens=16))
     for prompt, group in zip(prompts, groups):
         expected = hf_model.generate(torch.tensor([prompt.prompt_ids]), max_new_tokens=16, do_sample=False,
                                      eos_token_id=None)[0, len(prompt.prompt_ids):].tolist()
@@ -73,10 +74,10 @@ def test_wrong_api_key_and_unreachable_server(servers, tokenizer):
     prompts = make_prompts(tokenizer, 2)
     bad_key = RolloutClient([servers[0].url], ClientConfig(api_key="wrong"))
     with pytest.raises(RolloutError, match="HTTP 401.*API key"):
-        bad_key.generate_sync(prompts, G, SamplingParams(max_new_tokens=4))
+        bad_key.generate_sync(prompts, G, SamplingConfig(max_new_tokens=4))
     unreachable = RolloutClient(["http://127.0.0.1:9"], ClientConfig(api_key=API_KEY, retry_backoff_s=0.01))
     with pytest.raises(RolloutError, match=r"all 1 servers failed.*127\.0\.0\.1:9.*ConnectError"):
-        unreachable.generate_sync(prompts, G, SamplingParams(max_new_tokens=4))
+        unreachable.generate_sync(prompts, G, SamplingConfig(max_new_tokens=4))
 
 
 def test_cli_rollout_with_reward(servers, tiny_model_dir, tmp_path):
@@ -103,7 +104,7 @@ def test_server_killed_mid_rollout_every_group_still_has_G(servers, tokenizer):
     rollout = client(servers, concurrency_per_server=4, retry_backoff_s=0.1)
 
     async def main():
-        generate = asyncio.create_task(rollout.generate(prompts, 8, SamplingParams(max_new_tokens=48)))
+        generate = asyncio.create_task(rollout.generate(prompts, 8, SamplingConfig(max_new_tokens=48)))
         await asyncio.sleep(1.0)
         await asyncio.get_running_loop().run_in_executor(None, servers[1].kill)
         return await generate

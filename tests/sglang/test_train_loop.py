@@ -39,11 +39,11 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 2 rollout steps x 2 mini-batches
-    assert all(0.0 <= r["reward_mean"] <= 1.0 and r["clipped_fraction_seq"] is not None for r in records)
+    assert all(0.0 <= r["reward/mean"] <= 1.0 and r["loss/clipped_fraction_seq"] is not None for r in records)
     # Mini-batch 1 of each step is on-policy (recomputed old log-probs): nothing can be clipped.
-    assert records[0]["clipped_fraction_seq"] == records[2]["clipped_fraction_seq"] == 0.0
+    assert records[0]["loss/clipped_fraction_seq"] == records[2]["loss/clipped_fraction_seq"] == 0.0
     # The server started at weight version 0 and served step 2 from the weights synced after step 1.
-    assert [r["rollout_weight_version"] for r in records] == ["0", "0", "1", "1"]
+    assert [r["rollout/weight_version"] for r in records] == ["0", "0", "1", "1"]
     assert (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (run_dir / "ckpt" / "iter_0000002" / "trainer.pt").is_file()
     assert (run_dir / "metrics.png").is_file()
@@ -54,7 +54,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     assert all(torch.equal(exported[k], synced[k]) for k in exported)
     initial = load_safetensors(tiny_model_dir)
     # Trained iff some step had a gradient (a random tiny model may score 0 everywhere: no signal).
-    learned = any(r["grad_norm"] > 0 for r in records)
+    learned = any(r["train/grad_norm"] > 0 for r in records)
     assert any(not torch.equal(exported[k], initial[k]) for k in exported) == learned, records
     assert (run_dir / "hf_final" / "config.json").read_text() == (Path(tiny_model_dir) / "config.json").read_text()
 

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rollout.client import ClientConfig, RolloutClient
 from megatron_gspo.sync.sglang import BroadcastSync, ServerAdmin, sync_by_tensor, sync_from_disk, write_hf_checkpoint
 from megatron_gspo.types import Prompt
 
@@ -37,7 +38,7 @@ def before(servers):
 
 def rollout(url, temperature, n=1):
     groups, _ = RolloutClient([url], ClientConfig(api_key=API_KEY)).generate_sync(
-        PROMPTS, n, SamplingParams(temperature=temperature, max_new_tokens=10))
+        PROMPTS, n, SamplingConfig(temperature=temperature, max_new_tokens=10))
     return [s for g in groups for s in g]
 
 
@@ -66,7 +67,7 @@ def test_sync_delivers_new_weights_and_restore_restores(servers, before, weights
         elif transport == "tensor":
             sync_by_tensor(urls, state.items(), version, api_key=API_KEY, bucket_bytes=64 * 1024)  # several buckets
         else:
-            broadcast.sync(state.items(), version, bucket_bytes=64 * 1024)
+            broadcast.push(state.items(), version, bucket_bytes=64 * 1024)
 
     try:
         sync(perturbed, f"{transport}-1")

@@ -138,7 +138,7 @@ def test_requeued_job_resumes_from_its_checkpoint_and_completes(cluster, tiny_mo
     assert (run_dir / "checkpoints" / f"iter_{steps:07d}" / "trainer.pt").is_file()
     # The resumed trainer gave the restarted server its weights: the last step was sampled by the version
     # the step before it produced.
-    assert records[-1]["rollout_weight_version"] == str(steps - 1), records[-1]
+    assert records[-1]["rollout/weight_version"] == str(steps - 1), records[-1]
 
 
 @pytest.mark.slow

@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import TrainConfig, dump_yaml, load_config
+from megatron_gspo.loss.policy import clip_range
+
+
+def resolved_clip(config):
+    return clip_range(config.gspo.algorithm, config.gspo.eps_low, config.gspo.eps_high)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = EXAMPLES / "tiny_cpu.yaml"
@@ -21,14 +26,14 @@ def test_presets_load(name):
 
 def test_paper_preset_has_paper_settings():
     config = load_config(EXAMPLES / "qwen3_30b_a3b_gspo.yaml")
-    assert config.gspo.clip_range == (3e-4, 4e-4)
+    assert resolved_clip(config) == (3e-4, 4e-4)
     assert config.gspo.old_logprobs == "recompute"
     assert (config.parallel.tp, config.parallel.ep, config.parallel.etp) == (4, 8, 1)
 
 
 def test_tiny_cpu_runs_on_two_processes():
-    layout = load_config(TINY).parallel.layout
-    assert layout.dp(2) * layout.tp * layout.pp * layout.cp == 2
+    parallel = load_config(TINY).parallel
+    assert parallel.world_size == 2 and parallel.tp == 2 and str(parallel) == "tp2"
 
 
 def test_overrides_are_parsed_by_field_type():
@@ -40,12 +45,12 @@ def test_overrides_are_parsed_by_field_type():
     assert config.rollout.server_urls == ("http://a:1", "http://b:2")
     assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
     # eps_high None -> GRPO's default; eps_low as given.
-    assert config.gspo.clip_range == (2e-4, 0.27)
+    assert resolved_clip(config) == (2e-4, 0.27)
 
 
 def test_clip_defaults_follow_the_algorithm():
-    assert load_config(TINY, ["gspo.algorithm=grpo"]).gspo.clip_range == (0.2, 0.27)
-    assert load_config(TINY, ["gspo.algorithm=gspo_token"]).gspo.clip_range == (3e-4, 4e-4)
+    assert resolved_clip(load_config(TINY, ["gspo.algorithm=grpo"])) == (0.2, 0.27)
+    assert resolved_clip(load_config(TINY, ["gspo.algorithm=gspo_token"])) == (3e-4, 4e-4)
 
 
 def test_yaml_scientific_notation_without_dot(tmp_path):
@@ -57,14 +62,17 @@ def test_yaml_scientific_notation_without_dot(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("gspo.eps_low=-1", "gspo.eps_low must be in [0, 1), got -1.0"),
-    ("gspo.temperature=0", "gspo.temperature must be > 0"),
+    ("gspo.temperature=0", "sampling.temperature must be > 0"),     # the alias names the setting's home
+    ("sampling.temperature=0", "sampling.temperature must be > 0"),
     ("parallel.tp=0", "parallel.tp must be >= 1"),
     ("parallel.tp=two", "parallel.tp must be an integer, got 'two'"),
     ("gspo.algorithm=ppo", "gspo.algorithm must be one of gspo, gspo_token, grpo"),
     ("gspo.old_logprobs=sglang", "gspo.old_logprobs must be one of recompute, rollout"),
     ("logging.tensorboard=maybe", "logging.tensorboard must be true or false"),
     ("gspo.num_minibatches=3", "gspo.num_minibatches must divide prompts_per_step * group_size = 256"),
-    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("rollout.top_p=1.5", "sampling.top_p must be in (0, 1]"),
+    ("sampling.top_k=0", "sampling.top_k must be -1 or >= 1"),
+    ("sampling.stop_token_ids=1,x", "sampling.stop_token_ids must be a list of integers"),
     ("optimizer.min_lr=1", "optimizer.min_lr must be in [0, lr]"),
     ("model.preset=tiny_moe", "exactly one must be set"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0"),
@@ -91,7 +99,7 @@ def test_unknown_keys_suggest_the_nearest(override, suggestion):
 def test_unknown_yaml_key_rejected(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: {preset: tiny_dense}\nrollout: {backend: megatron, max_new_token: 5}\n")
-    with pytest.raises(ValueError, match="'rollout.max_new_token'; did you mean 'rollout.max_new_tokens'"):
+    with pytest.raises(ValueError, match="'rollout.max_new_token'; did you mean 'sampling.max_new_tokens'"):
         load_config(path)
 
 
@@ -126,3 +134,24 @@ def test_final_export_needs_a_checkpoint_and_hf_files(tmp_path):
                            "rollout.backend=megatron", "model.preset=tiny_dense"])
     config = load_config(TINY, [f"checkpoint.export_hf={tmp_path / 'out'}"])
     assert config.checkpoint.export_hf == str(tmp_path / "out")
+
+
+def test_aliases_reach_the_sampling_section(tmp_path):
+    config = load_config(TINY, ["gspo.temperature=0.7", "rollout.top_k=5", "rollout.max_new_tokens=9",
+                                "sampling.stop_token_ids=3, 4"])
+    assert (config.sampling.temperature, config.sampling.top_k, config.sampling.max_new_tokens) == (0.7, 5, 9)
+    assert config.sampling.stop_token_ids == (3, 4)
+    assert load_config(TINY).sampling.max_new_tokens == 4   # tiny_cpu.yaml: rollout.max_new_tokens: 4
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {hf_path: x}\ngspo: {temperature: 0.5}\nsampling: {temperature: 0.6}\n")
+    with pytest.raises(ValueError, match="gspo.temperature and sampling.temperature are the same setting"):
+        load_config(path)
+
+
+def test_megatron_backend_sampling_rules():
+    base = ["model.hf_path=none", "model.preset=tiny_dense", "rollout.backend=megatron"]
+    with pytest.raises(ValueError, match="sampling.top_p < 1 needs sampling.top_k >= 1"):
+        load_config(TINY, [*base, "sampling.top_p=0.9"])
+    assert load_config(TINY, [*base, "sampling.top_p=0.9", "sampling.top_k=20"]).sampling.top_k == 20
+    with pytest.raises(ValueError, match="sampling.stop is not supported by rollout.backend=megatron"):
+        load_config(TINY, [*base, "sampling.stop=</s>"])

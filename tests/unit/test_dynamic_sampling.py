@@ -3,6 +3,7 @@ import asyncio
 
 import pytest
 
+from megatron_gspo.rollout.client import RolloutStats
 from megatron_gspo.rollout.rewards import math_verify
 from megatron_gspo.rollout.sampling import PromptsExhausted, collect_scored_groups, has_signal
 from megatron_gspo.types import Prompt, Sample
@@ -22,7 +23,7 @@ def fake_generate(calls):
             groups.append([Sample(group_id=k, sample_index=i, prompt_ids=p.prompt_ids, response_ids=[],
                                   rollout_logprobs=[], finish_reason="stop", response_text=t, answer="1")
                            for i, t in enumerate(texts)])
-        return groups, {"prompts": len(prompts)}
+        return groups, RolloutStats(elapsed_s=0.5, response_tokens=len(prompts))
     return generate
 
 
@@ -41,7 +42,9 @@ def test_drop_and_refill():
     assert calls == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
     assert batch.dropped_group_ids == [0, 1, 3, 4, 6, 7, 9, 10] and batch.num_dropped == 8
     assert batch.surplus_group_ids == [11] and batch.padded_group_ids == []
-    assert batch.rounds == 2 and batch.rollout_stats == [{"prompts": 6}, {"prompts": 6}]
+    assert batch.rounds == 2 and [st.response_tokens for st in batch.rollout_stats] == [6, 6]
+    # tokens/s over both rounds: 12 "tokens" (one per prompt in the fake) in 2 x 0.5 s
+    assert batch.metrics()["rollout_tokens_per_s"] == 12.0
 
 
 def test_rounds_are_capped():

@@ -68,7 +68,7 @@ def test_config_errors_for_the_megatron_backend(tmp_path):
     from megatron_gspo.config import load_config
     from megatron_gspo.training.preflight import preflight
 
-    with pytest.raises(ValueError, match="rollout.top_p .*needs rollout.top_k >= 1 with backend=megatron"):
+    with pytest.raises(ValueError, match="sampling.top_p < 1 needs sampling.top_k >= 1 with rollout.backend=megatron"):
         load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9"])
     load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9", "rollout.top_k=20"])
     # A preset is a shape without a tokenizer: the task cannot encode its prompts.

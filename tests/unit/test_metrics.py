@@ -4,28 +4,29 @@ import math
 
 import pytest
 
-from megatron_gspo.training.metrics import MetricsLogger, plot, read_metrics, response_length_metrics
+from megatron_gspo.rollout.sampling import response_length_metrics
+from megatron_gspo.training.metrics import METRIC_NAMES, MetricsLogger, namespaced, plot, read_metrics
 
 
 def test_one_json_object_per_step(tmp_path):
     with MetricsLogger(tmp_path) as log:
         for step in (1, 2, 3):
-            log.log(step, {"reward_mean": 0.1 * step, "clipped_fraction_seq": 0.0, "ratio_min": math.inf})
+            log.log(step, namespaced({"reward_mean": 0.1 * step, "clipped_fraction_seq": 0.0, "ratio_min": math.inf}))
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3
     first = json.loads(lines[0])          # strict JSON: inf became null
-    assert first == {"step": 1, "reward_mean": 0.1, "clipped_fraction_seq": 0.0, "ratio_min": None}
+    assert first == {"step": 1, "reward/mean": 0.1, "loss/clipped_fraction_seq": 0.0, "loss/ratio_min": None}
 
 
 def test_resume_drops_steps_after_the_checkpoint_and_appends(tmp_path):
     with MetricsLogger(tmp_path) as log:
         for step in range(1, 7):
-            log.log(step, {"reward_mean": step})
+            log.log(step, {"reward/mean": step})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "rew')           # torn line of a crash mid-write
     with MetricsLogger(tmp_path, resume_after=4) as log:
-        log.log(5, {"reward_mean": 50})
-    assert [(r["step"], r["reward_mean"]) for r in read_metrics(tmp_path)] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 50)]
+        log.log(5, {"reward/mean": 50})
+    assert [(r["step"], r["reward/mean"]) for r in read_metrics(tmp_path)] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 50)]
 
 
 def test_a_new_run_starts_a_fresh_file(tmp_path):
@@ -62,6 +63,22 @@ def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     with MetricsLogger(tmp_path) as log:
         for step in range(1, 5):
-            log.log(step, {"reward_mean": step / 4, "clipped_fraction_seq": 0.0, "response_length_mean": 3.0})
+            log.log(step, {"reward/mean": step / 4, "loss/clipped_fraction_seq": 0.0,
+                           "rollout/response_length_mean": 3.0})
     path = plot(tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_metric_has_one_namespaced_name():
+    logged = list(METRIC_NAMES.values())
+    assert len(set(logged)) == len(logged)                          # no two metrics share a logged name
+    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time"} for name in logged)
+    with pytest.raises(KeyError, match="without a logged name in METRIC_NAMES: \\['made_up'\\]"):
+        namespaced({"reward_mean": 1.0, "made_up": 2.0})
+
+
+def test_records_of_runs_before_the_namespaces_read_under_todays_names(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout_step": 1, "reward_mean": 0.5, "time_train_s": 2.0, '
+                                            '"train_time_s": 0.25}\n')
+    assert read_metrics(tmp_path) == [{"step": 1, "rollout_step": 1, "reward/mean": 0.5, "time/train_s": 2.0,
+                                       "time/minibatch_train_s": 0.25}]

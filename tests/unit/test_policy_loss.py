@@ -1,6 +1,6 @@
-"""policy_loss against GSPO.md: loss_sum / num_sequences == -J of GSPO eq. 5, GSPO-token eq. 13, GRPO eq. 2.
+"""policy_loss against docs/gspo.md: loss_sum / num_sequences == -J of GSPO eq. 5, GSPO-token eq. 13, GRPO eq. 2.
 
-The reference below is written from GSPO.md alone, one sequence and one token at a time in float64, so
+The reference below is written from docs/gspo.md alone, one sequence and one token at a time in float64, so
 that it shares no code (and no vectorisation trick) with the implementation under test.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ PAPER_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.
 
 
 # ---------------------------------------------------------------------------------------------------
-# Naive float64 reference (GSPO.md, section by section)
+# Naive float64 reference (docs/gspo.md, section by section)
 # ---------------------------------------------------------------------------------------------------
 
 def _clip(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -197,7 +197,7 @@ def test_gspo_token_equals_gspo_for_constant_advantages(seed, adv_layout):
 @pytest.mark.parametrize("algorithm", ["gspo", "gspo_token"])
 def test_gspo_weighs_a_1_token_and_a_1000_token_sequence_equally(algorithm):
     # GSPO gradient (clip inactive): d J / d logp_t = (1/N) s_i A_i (1/|y_i|) for each response token
-    # (GSPO.md), so summed over sequence i's tokens it is s_i A_i / N whatever |y_i| is. Here
+    # (docs/gspo.md), so summed over sequence i's tokens it is s_i A_i / N whatever |y_i| is. Here
     # s = exp(1e-4) (inside the band), A = 0.7 for both, N = 2, and the loss is -J:
     #   sum_t d loss / d logp_t = -exp(1e-4) * 0.7 / 2 = -0.350035 for each sequence.
     # The long sequence's token log-ratios are noisy (+-0.3); only their mean, 1e-4, matters.
@@ -258,7 +258,7 @@ def test_on_policy_ratio_is_exactly_one(algorithm):
 def test_gspo_clip_band_edges():
     # eps_low = 3e-4, eps_high = 4e-4; each sequence's s is 2e-5 inside or outside an edge (the
     # float32 error of a mean log-ratio here is ~1e-7). Rows: (s, A, clipped?)
-    # GSPO.md: clipping zeroes a sequence's gradient only on the side A's sign makes "too far".
+    # docs/gspo.md: clipping zeroes a sequence's gradient only on the side A's sign makes "too far".
     d = 2e-5
     rows = [
         (1 + 4e-4 - d, +1.0, False),  # A > 0, just inside the top edge

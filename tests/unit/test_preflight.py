@@ -57,3 +57,14 @@ def test_export_under_a_file(tmp_path):
     with pytest.raises(ValueError, match="checkpoint.export_hf: cannot write to"):
         preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}",
                          f"checkpoint.export_hf={tmp_path / 'file' / 'hf_final'}"))
+
+
+def test_unknown_preset_and_task_are_named(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"rollout.task must be one of \['arithmetic'\], got 'sudoku'"):
+        preflight(config(tmp_path, "rollout.task=sudoku"))
+    bad_preset = load_config(None, ["model.preset=tiny_large", "rollout.backend=megatron",
+                                    f"logging.run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="model.preset must be one of .*got 'tiny_large'"):
+        preflight(bad_preset)

@@ -3,8 +3,9 @@ import asyncio
 import pytest
 
 from fake_sglang_server import FakeSGLang
-from megatron_gspo.rollout.client import (ClientConfig, RolloutClient, RolloutError, SamplingParams,
-                                          ServerResponseError)
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rollout.client import (ClientConfig, RolloutClient, RolloutError, ServerResponseError,
+                                          sglang_sampling_params)
 from megatron_gspo.types import Prompt
 
 G = 4
@@ -34,7 +35,7 @@ def test_groups_are_spread_round_robin_and_complete():
     async def main():
         async with FakeSGLang(name="a") as a, FakeSGLang(name="b") as b:
             client = RolloutClient([a.url, b.url], ClientConfig(concurrency_per_server=3, **FAST))
-            groups, stats = await client.generate(prompts(10), G, SamplingParams(max_new_tokens=3, top_k=5))
+            groups, stats = await client.generate(prompts(10), G, SamplingConfig(max_new_tokens=3, top_k=5))
             return groups, stats, a, b
     groups, stats, a, b = run(main())
     assert_complete(groups, 10)
@@ -130,4 +131,4 @@ def test_invalid_arguments():
         RolloutClient(["http://x:1", "http://x:1"])
     with pytest.raises(ValueError, match="unique"):
         asyncio.run(RolloutClient(["http://x:1"]).generate([Prompt(0, [1]), Prompt(0, [2])], G))
-    assert SamplingParams(stop_token_ids=(5,)).to_sglang(2)["stop_token_ids"] == [5]
+    assert sglang_sampling_params(SamplingConfig(stop_token_ids=(5,)), 2)["stop_token_ids"] == [5]

@@ -1,0 +1,122 @@
+"""Rollout backends: where the G samples per prompt come from, behind one small interface.
+
+    backend = open_backend(config, model=policy.model, vocab_size=V, tokenizer=tok, pgs=pgs)
+    groups, stats = await backend.generate(prompts)    # one list of G Samples per prompt, in order
+    backend.sync_weights(named_tensors, version="7")   # the weights that sample next
+    backend.close()
+
+- `SGLangBackend`: SGLang servers (launched here or given by URL) reached over HTTP by rank 0 alone;
+  new weights go to them through one `sync.sglang.WeightSync` transport (disk, tensor or broadcast).
+- `MegatronBackend`: the trainer's own model generates (rollout/megatron_backend.py), collectively on
+  every rank; the model that trains is the model that samples, so a sync only moves the version.
+
+`collective` tells the caller which ranks hold a backend: every rank (True) or rank 0 only (False).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from megatron_gspo.config import SamplingConfig, TrainConfig
+from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
+from megatron_gspo.rollout.megatron_backend import GenerationSettings, MegatronGenerator, stop_token_ids
+from megatron_gspo.rollout.server import ServerConfig, launch_servers
+from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
+from megatron_gspo.types import Prompt, Sample
+
+
+class RolloutBackend(Protocol):
+    collective: bool
+    """True: every trainer rank holds the backend and calls it together; False: rank 0 only."""
+
+    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
+        """G samples for each prompt (G = gspo.group_size), each with its log-probs and weight version."""
+
+    def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
+        """Make (HF name, full tensor) pairs the weights that sample next, as `version`. A backend that
+        needs no tensors leaves the iterable unread."""
+
+    def close(self) -> None:
+        """Stop what the backend started (servers, weight-update groups)."""
+
+
+class SGLangBackend:
+    """Rank 0's view of the SGLang servers: start (or adopt) them, roll out, push weights."""
+
+    collective = False
+
+    def __init__(self, config: TrainConfig):
+        r = config.rollout
+        self._stack = contextlib.ExitStack()
+        try:
+            if r.server_urls:
+                self.urls = list(r.server_urls)
+            else:
+                print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
+                servers = self._stack.enter_context(launch_servers(ServerConfig(
+                    model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
+                    max_running_requests=r.concurrency,
+                    log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers))
+                self.urls = [s.url for s in servers]
+                print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
+            self._client = RolloutClient(self.urls, ClientConfig(concurrency_per_server=r.concurrency,
+                                                                 request_timeout_s=r.request_timeout_s))
+            self._weights: WeightSync = open_weight_sync(r.weight_sync, self.urls,
+                                                         folder=Path(config.logging.run_dir) / "weights",
+                                                         config_dir=config.model.hf_path)
+            self._stack.callback(self._weights.close)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._sampling, self._group_size = config.sampling, config.gspo.group_size
+
+    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
+        return await self._client.generate(prompts, n=self._group_size, sampling=self._sampling)
+
+    def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
+        self._weights.push(named_tensors, version)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class MegatronBackend:
+    """Every rank generates with the model it trains (no servers, no weight transfer)."""
+
+    collective = True
+
+    def __init__(self, config: TrainConfig, *, model: list, vocab_size: int, tokenizer):
+        self.version = "0"
+        """The weights that sample next: the rollout step after which they were synced."""
+        self._generator = MegatronGenerator(
+            model, generation_settings(config.sampling, stop_token_ids(config.model.hf_path, tokenizer),
+                                       config.parallel.max_tokens_per_microbatch),
+            vocab_size=vocab_size, seed=config.seed,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        self._group_size = config.gspo.group_size
+
+    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
+        # collective: every rank calls it with the same prompts
+        return self._generator.generate(prompts, n=self._group_size, weight_version=self.version)
+
+    def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
+        self.version = version  # the model that trains is the model that samples: nothing to move
+
+    def close(self) -> None:
+        pass
+
+
+def generation_settings(sampling: SamplingConfig, stop_ids: Sequence[int], max_tokens_per_microbatch: int
+                        ) -> GenerationSettings:
+    return GenerationSettings(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                              max_new_tokens=sampling.max_new_tokens,
+                              stop_token_ids=tuple(sorted({*stop_ids, *sampling.stop_token_ids})),
+                              max_tokens_per_microbatch=max_tokens_per_microbatch)
+
+
+def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer) -> RolloutBackend:
+    """The configured backend (rollout.backend). SGLang: call on rank 0 only; megatron: on every rank."""
+    if config.rollout.backend == "megatron":
+        return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer)
+    return SGLangBackend(config)
