@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_gspo.dev.tiny_model import make_tiny_qwen3  # noqa: E402
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, SamplingParams  # noqa: E402
 from megatron_gspo.rollout.server import ServerConfig, launch_servers  # noqa: E402
-from megatron_gspo.dev.tiny_model import make_tiny_qwen3  # noqa: E402
 from megatron_gspo.types import Prompt  # noqa: E402
 
 
