@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
         hf_dir = Path(args.hf) if args.hf else Path(tmp) / "hf"
         if not args.hf:
-            from megatron_gspo.rollout.tiny_model import make_tiny_qwen3
-            from megatron_gspo.tasks.arithmetic import warm_start_format
+            from megatron_gspo.dev.tiny_model import make_tiny_qwen3
+            from megatron_gspo.dev.warm_start import warm_start_format
 
             make_tiny_qwen3(hf_dir)
             warm_start_format(hf_dir)

@@ -1,5 +1,8 @@
 """Tiny Hugging Face Qwen3-MoE / Qwen3 checkpoints made by transformers itself (test scaffolding).
 
+The sizes are `TinyQwen3Spec`s (megatron_gspo/dev/tiny_model.py, the project's one tiny-Qwen3
+definition); the weights are drawn here.
+
 The files are what `save_pretrained` writes, not what we think it writes. Weights are random with a
 fixed seed, wider than transformers' default init and with non-unit norm weights, so that a wrong
 mapping (a swapped norm, a mis-ordered head) changes the log-probs visibly.
@@ -9,33 +12,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from megatron_gspo.dev.tiny_model import TinyQwen3Spec, tiny_qwen3_config
 
 # GQA (4 heads, 2 KV heads), head_dim 24 != hidden / heads = 16, 4 experts top-2, vocab 300
-# (padded by Megatron to 384 at TP1 and 512 at TP2).
+# (padded by Megatron to 384 at TP1 and 512 at TP2). initializer_range: transformers' default (the
+# weights are drawn by save_tiny, not by the init).
 COMMON = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-              max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=1_000_000.0)
+              max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=1_000_000.0, initializer_range=0.02)
+MOE = dict(intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
 KINDS = {
-    "moe": dict(moe=True, num_hidden_layers=4, norm_topk_prob=True),
-    "moe_no_norm_topk": dict(moe=True, num_hidden_layers=2, norm_topk_prob=False),
-    "dense_tied": dict(moe=False, num_hidden_layers=2, tie_word_embeddings=True),
+    "moe": TinyQwen3Spec(**COMMON, **MOE, num_layers=4, norm_topk_prob=True),
+    "moe_no_norm_topk": TinyQwen3Spec(**COMMON, **MOE, num_layers=2, norm_topk_prob=False),
+    "dense_tied": TinyQwen3Spec(**COMMON, num_layers=2, intermediate_size=128, tie_word_embeddings=True),
 }
 
 
 def make_config(kind: str):
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    spec = dict(KINDS[kind])
-    if spec.pop("moe"):
-        return Qwen3MoeConfig(**COMMON, **spec, intermediate_size=96, moe_intermediate_size=48,
-                              num_experts=4, num_experts_per_tok=2)
-    return Qwen3Config(**COMMON, **spec, intermediate_size=128)
+    return tiny_qwen3_config(KINDS[kind])
 
 
 def save_tiny(directory: Path, kind: str, dtype: torch.dtype = torch.float32, *,
               max_shard_size: str | None = None, seed: int = 0) -> Path:
     """Save a random tiny model of `kind` with save_pretrained; returns `directory`."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(kind))
     with torch.no_grad():
@@ -50,8 +51,6 @@ def save_tiny(directory: Path, kind: str, dtype: torch.dtype = torch.float32, *,
 
 def hf_logprobs(directory: Path, tokens_BS: torch.Tensor) -> torch.Tensor:
     """transformers' float32 log-probs of tokens[:, 1:] given tokens[:, :-1]: [B, S-1]."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(tokens_BS).logits.float()
@@ -60,8 +59,6 @@ def hf_logprobs(directory: Path, tokens_BS: torch.Tensor) -> torch.Tensor:
 
 def read_all(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory, via the safetensors library."""
-    from safetensors import safe_open
-
     out = {}
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:

@@ -22,6 +22,7 @@ from typing import Sequence
 import httpx
 
 from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rollout.server import auth_headers
 from megatron_gspo.types import Prompt, Sample
 
 
@@ -127,12 +128,11 @@ class RolloutClient:
         servers = [_Server(u, cfg.concurrency_per_server) for u in self.urls]
         stats = RolloutStats(requests_ok={s.url: 0 for s in servers})
         round_robin = itertools.cycle(range(len(servers)))
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         limits = httpx.Limits(max_connections=cfg.concurrency_per_server * len(servers),
                               max_keepalive_connections=cfg.concurrency_per_server * len(servers))
         start = time.monotonic()
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key)) as http:
             async def run_group(prompt: Prompt) -> list[Sample]:
                 tried: set[str] = set()
                 failed_attempts = 0

@@ -5,7 +5,8 @@ is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a po
 If the process that started a server dies without stopping it (SIGKILL, OOM), the kernel kills the
 server too (Linux parent-death signal; SGLang's own children already follow their parent that way).
 On CPU the server runs from the SGLang virtual environment (scripts/setup_sglang.sh) with the import
-stand-ins of `cpu_stubs/` on its PYTHONPATH; the trainer only talks HTTP to it and never imports SGLang.
+stand-ins of `platform/sglang_cpu_stubs/` on its PYTHONPATH; the trainer only talks HTTP to it and never
+imports SGLang.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CPU_STUBS_DIR = Path(__file__).resolve().parent / "cpu_stubs"
+CPU_STUBS_DIR = Path(__file__).resolve().parents[1] / "platform" / "sglang_cpu_stubs"
+"""SGLang's CPU import stand-ins (platform/sglang_cpu_stubs/README.md), a folder put on PYTHONPATH."""
 SGLANG_PYTHON_ENV = "MEGATRON_GSPO_SGLANG_PYTHON"
 
 
@@ -91,12 +93,14 @@ class ServerConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it): for servers and torch.distributed rendezvous."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers SGLang's `--api-key` asks for; none without a key. Every client here uses these."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -133,7 +137,8 @@ class SGLangServer:
         # SGLang's own torch.distributed init would join the trainer's rendezvous and hang there.
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
         if self.config.device == "cpu":
-            # CPU test scaffolding only: the import stand-ins (cpu_stubs/README.md) and the CPU engine.
+            # CPU test scaffolding only: the import stand-ins (platform/sglang_cpu_stubs/README.md) and
+            # the CPU engine.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STUBS_DIR), env.get("PYTHONPATH")) if p)
         elif self.gpu_id is not None:

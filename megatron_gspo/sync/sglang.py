@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
+from megatron_gspo.rollout.server import auth_headers, free_port
+
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -81,8 +83,7 @@ class ServerAdmin:
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(headers=auth_headers(api_key), timeout=timeout_s)
 
     def post(self, path: str, payload: dict | None = None) -> dict:
         try:
@@ -275,7 +276,6 @@ class BroadcastSync:
     def __init__(self, urls: list[str], api_key: str | None = None, master_address: str | None = None,
                  master_port: int | None = None, backend: str = "gloo", tp_sizes: list[int] | None = None,
                  group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0):
-        from megatron_gspo.rollout.server import free_port
         self.admins = _admins(urls, api_key)
         self.master_address = master_address or address_towards(urls[0])
         """Where the servers reach this process (the group's rank 0): default, this host's address on

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.rollout.tiny_model import TinyQwen3Spec, make_tiny_qwen3
+from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {"ep2": ["parallel.dp=2", "parallel.ep=2"], "pp2": ["parallel.dp=1", "parallel.ep=1", "parallel.pp=2"],

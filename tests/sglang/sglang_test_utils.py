@@ -1,7 +1,7 @@
 """Shared by the sglang-tier tests: the servers' API key, prompts, a float32 log-prob recompute."""
 import torch
 
-from megatron_gspo.rollout.tiny_model import arithmetic_corpus
+from megatron_gspo.dev.tiny_model import arithmetic_corpus
 from megatron_gspo.types import Prompt
 
 API_KEY = "test-key"

@@ -49,7 +49,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_gspo.rollout.tiny_model import make_tiny_qwen3
+    from megatron_gspo.dev.tiny_model import make_tiny_qwen3
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "hf")
 
 

@@ -12,12 +12,20 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
 EOS_TOKEN = "<|endoftext|>"
 
 
 @dataclass(frozen=True)
 class TinyQwen3Spec:
-    """Size and seed of the tiny model; the defaults are the ones the tests use."""
+    """Size and seed of the tiny model: the one definition of a tiny Qwen3 / Qwen3-MoE in this project.
+
+    The defaults are the demo's model (`megatron-gspo tiny-model`); tests that need other sizes pass
+    them as fields (tests/tiny_hf.py).
+    """
 
     vocab_size: int = 512
     """Tokenizer and embedding size: 256 byte symbols + 1 special token + BPE merges."""
@@ -40,12 +48,18 @@ class TinyQwen3Spec:
     decoding then does not flip between two near-tied tokens on float rounding differences."""
     tie_word_embeddings: bool = False
     """`tie_word_embeddings`."""
+    rms_norm_eps: float = 1e-6
+    """`rms_norm_eps`."""
+    rope_theta: float = 10000.0
+    """`rope_theta` (transformers' default for Qwen3)."""
     num_experts: int = 0
     """0: dense Qwen3; > 0: Qwen3-MoE with this many experts in every layer (`num_experts`)."""
     num_experts_per_tok: int = 2
     """`num_experts_per_tok` (MoE only)."""
     moe_intermediate_size: int = 48
     """`moe_intermediate_size`: one expert's MLP width (MoE only)."""
+    norm_topk_prob: bool = True
+    """`norm_topk_prob`: renormalise the top-k router probabilities (MoE only)."""
     seed: int = 1234
     """Seed of both the weight init and the synthetic tokenizer corpus."""
 
@@ -64,8 +78,6 @@ def arithmetic_corpus(num_lines: int, seed: int) -> list[str]:
 
 def train_tokenizer(vocab_size: int, seed: int):
     """Byte-level BPE (`tokenizers`) with one special token, eos = pad = <|endoftext|> (id 0)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -78,31 +90,35 @@ def train_tokenizer(vocab_size: int, seed: int):
     return tokenizer
 
 
+def tiny_qwen3_config(spec: TinyQwen3Spec, **extra) -> Qwen3Config | Qwen3MoeConfig:
+    """The transformers config of `spec` (Qwen3MoeConfig when `spec.num_experts`); `extra`: further
+    config fields, verbatim (token ids, dtype)."""
+    if spec.num_experts:
+        extra.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                     moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=spec.norm_topk_prob)
+    return (Qwen3MoeConfig if spec.num_experts else Qwen3Config)(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
+        tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
+        **extra)
+
+
 def make_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
     """Write config.json, model.safetensors (float32), tokenizer.json and tokenizer_config.json.
 
     The same spec gives bit-identical weights and tokenizer on every call.
     """
-    import torch
-    from transformers import (PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
                                    eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     eos_id = fast.convert_tokens_to_ids(EOS_TOKEN)
-    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-               moe_intermediate_size=spec.moe_intermediate_size, norm_topk_prob=True) if spec.num_experts else {}
-    config = (Qwen3MoeConfig if moe else Qwen3Config)(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, initializer_range=spec.initializer_range,
-        tie_word_embeddings=spec.tie_word_embeddings, rms_norm_eps=1e-6,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32", **moe)
+    config = tiny_qwen3_config(spec, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                               dtype="float32")
     torch.manual_seed(spec.seed)
-    model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(torch.float32)
+    model = (Qwen3MoeForCausalLM if spec.num_experts else Qwen3ForCausalLM)(config).to(torch.float32)
     model.save_pretrained(out)
     fast.save_pretrained(out)
     return out

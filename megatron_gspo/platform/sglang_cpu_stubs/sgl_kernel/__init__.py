@@ -11,7 +11,7 @@ __version__ = "0.0.0+cpu-stand-in"
 def _not_available(name: str):
     def stand_in(*args, **kwargs):
         raise NotImplementedError(
-            f"sgl_kernel.{name} is a CPU import stand-in (megatron_gspo/rollout/cpu_stubs); SGLang "
+            f"sgl_kernel.{name} is a CPU import stand-in (megatron_gspo/platform/sglang_cpu_stubs); SGLang "
             f"called it, so this model/setting needs the real sgl_kernel (a GPU or AMX CPU build)")
     stand_in.__name__ = name
     return stand_in

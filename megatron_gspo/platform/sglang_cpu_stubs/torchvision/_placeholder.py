@@ -5,7 +5,7 @@ import enum
 def unavailable(name: str):
     def stand_in(*args, **kwargs):
         raise NotImplementedError(f"torchvision.{name} is a CPU import stand-in "
-                                  "(megatron_gspo/rollout/cpu_stubs): image/video input is not supported here")
+                                  "(megatron_gspo/platform/sglang_cpu_stubs): image/video input is not supported here")
     stand_in.__name__ = name.rsplit(".", 1)[-1]
     return stand_in
 
