@@ -1,4 +1,10 @@
-"""Bring up torch.distributed and Megatron-Core's model-parallel groups, on GPUs or on CPU (gloo)."""
+"""Bring up torch.distributed and Megatron-Core's model-parallel groups, on GPUs or on CPU (gloo).
+
+`init_megatron` is the one place that reads Megatron's global `parallel_state`: it returns the
+process groups as Megatron-Core's own `ProcessGroupCollection` (`pgs`), which everything else takes
+as an argument (our code, and GPTModel / DDP / the schedules through their `pg_collection=`).
+Process groups only: G-sample groups (rollout) are another thing and never called `pgs`.
+"""
 from __future__ import annotations
 
 import os
@@ -44,12 +50,15 @@ class Layout:
         return "x".join(parts) or "single"
 
 
-def init_megatron(layout: Layout, *, seed: int = 1234) -> None:
-    """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state for `layout`.
+def init_megatron(layout: Layout, *, seed: int = 1234):
+    """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state for `layout`;
+    return this rank's process groups (a megatron.core ProcessGroupCollection, every field set).
 
     On machines without CUDA this uses gloo and applies the CPU platform patches first.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    # Imported here, not at the top: config.py imports Layout from this module and stays light.
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_gspo.platform import apply_cpu_patches, cpu_patches_needed
 
@@ -73,5 +82,21 @@ def init_megatron(layout: Layout, *, seed: int = 1234) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    manual_seed(seed, pgs)
+    return pgs
+
+
+def manual_seed(seed: int, pgs) -> None:
+    """Seed torch and Megatron's tensor-parallel RNG tracker (per TP / EP / expert-TP rank)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=pgs.tp.rank(), ep_rank=pgs.ep.rank(),
+                                                    etp_rank=pgs.expt_tp.rank())
     torch.manual_seed(seed)
+
+
+def sequence_pad_multiple(pgs) -> int:
+    """What every packed sequence length must be a multiple of: CP splits a sequence into 2*cp
+    load-balanced chunks, and sequence parallelism (MoE with TP) splits each over the TP ranks."""
+    return 2 * pgs.cp.size() * pgs.tp.size()

@@ -47,10 +47,10 @@ from megatron_gspo.training.step import train_on_batch
 
 def train(config: TrainConfig) -> None:
     preflight(config)
-    init_megatron(config.parallel.layout, seed=config.seed)
+    pgs = init_megatron(config.parallel.layout, seed=config.seed)
     rank0 = dist.get_rank() == 0
     stop = StopRequest()
-    policy = build_policy(config)
+    policy = build_policy(config, pgs)
     settings = step_settings(config, policy.shape)
     state = initial_weights(config, policy)  # resumed checkpoint, or the converted HF model
     run_dir, k = Path(config.logging.run_dir), config.gspo.num_minibatches
@@ -85,7 +85,7 @@ def train(config: TrainConfig) -> None:
                 break
             batch, info, state.data_state = box
             # 4. K mini-batches, one optimizer step each.
-            records = train_on_batch(policy.model, policy.optimizer, batch, settings, scheduler=policy.scheduler)
+            records = train_on_batch(policy.model, policy.optimizer, batch, settings, pgs=pgs, scheduler=policy.scheduler)
             state.step += 1
             # 5. New weights to every server (collective export; rank 0 sends).
             sync_start = time.perf_counter()
@@ -301,7 +301,7 @@ class Rollout:
                 stop_token_ids=stop_token_ids(c.model.hf_path, tokenizer),
                 max_tokens_per_microbatch=c.parallel.max_tokens_per_microbatch),
             vocab_size=self.policy.shape.vocab_size, seed=c.seed,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), pgs=self.policy.pgs)
 
         async def generate(prompts):  # collective: every rank calls it with the same prompts
             return generator.generate(prompts, n=c.gspo.group_size, weight_version=self.weight_version)
