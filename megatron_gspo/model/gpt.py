@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage, is_vp_first_stage, is_vp_last_stage
+from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
+                                                   is_vp_last_stage)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -147,7 +148,10 @@ def build_model(shape: Qwen3Shape, config, *, pgs: ProcessGroupCollection, wrap_
 
     GPTModel (and through it every layer: attention, MLP, MoE router and dispatcher, embeddings)
     and DDP get the process groups `pgs` (`pg_collection=`); the schedules hand the same collection
-    to finalize_model_grads (training/step.py run_schedule).
+    to finalize_model_grads (training/step.py run_schedule). What megatron-core 0.16.1 still reads
+    from its globals at step time regardless (e.g. RowParallelLinear.forward passes tp_group=None,
+    tensor_parallel/layers.py:1281, for a group it then does not use) is listed, with each upstream
+    line, in tests/distributed/workers/explicit_groups.py.
     """
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Layout:
         return "x".join(parts) or "single"
 
 
-def init_megatron(layout: Layout, *, seed: int = 1234):
+def init_megatron(layout: Layout, *, seed: int = 1234) -> ProcessGroupCollection:
     """Initialise torch.distributed (from torchrun's env) and Megatron's parallel state for `layout`;
     return this rank's process groups (a megatron.core ProcessGroupCollection, every field set).
 
@@ -87,7 +91,7 @@ def init_megatron(layout: Layout, *, seed: int = 1234):
     return pgs
 
 
-def manual_seed(seed: int, pgs) -> None:
+def manual_seed(seed: int, pgs: ProcessGroupCollection) -> None:
     """Seed torch and Megatron's tensor-parallel RNG tracker (per TP / EP / expert-TP rank)."""
     from megatron.core import tensor_parallel
 
@@ -96,7 +100,7 @@ def manual_seed(seed: int, pgs) -> None:
     torch.manual_seed(seed)
 
 
-def sequence_pad_multiple(pgs) -> int:
+def sequence_pad_multiple(pgs: ProcessGroupCollection) -> int:
     """What every packed sequence length must be a multiple of: CP splits a sequence into 2*cp
     load-balanced chunks, and sequence parallelism (MoE with TP) splits each over the TP ranks."""
     return 2 * pgs.cp.size() * pgs.tp.size()

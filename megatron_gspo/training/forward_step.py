@@ -43,7 +43,8 @@ class LossSettings:
     """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
 
 
-def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *, with_entropy: bool = False):
+def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *,
+              with_entropy: bool = False):
     # inplace: the logits are the output layer's, read by nothing after this call (that layer's
     # backward needs its input and weight only), so they are overwritten and become their own
     # gradient buffer, as in Megatron's vocab_parallel_cross_entropy: no second logits-sized buffer.

@@ -85,7 +85,8 @@ def train(config: TrainConfig) -> None:
                 break
             batch, info, state.data_state = box
             # 4. K mini-batches, one optimizer step each.
-            records = train_on_batch(policy.model, policy.optimizer, batch, settings, pgs=pgs, scheduler=policy.scheduler)
+            records = train_on_batch(policy.model, policy.optimizer, batch, settings, pgs=pgs,
+                                     scheduler=policy.scheduler)
             state.step += 1
             # 5. New weights to every server (collective export; rank 0 sends).
             sync_start = time.perf_counter()

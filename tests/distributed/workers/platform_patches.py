@@ -98,7 +98,8 @@ def tied_embeddings_across_stages() -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        build_model(dense, transformer_config(dense, Layout(pp=2)), pgs=ProcessGroupCollection.use_mpu_process_groups(), wrap_ddp=False)
+        build_model(dense, transformer_config(dense, Layout(pp=2)), pgs=ProcessGroupCollection.use_mpu_process_groups(),
+                    wrap_ddp=False)
     finally:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(expert_model_parallel_size=LAYOUT.ep)

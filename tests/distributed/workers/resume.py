@@ -58,7 +58,8 @@ def setup(layout, pgs, seed):
 
 def train(model, optimizer, scheduler, data, steps, settings):
     for _ in range(steps):
-        train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model), scheduler=scheduler)
+        train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model),
+                       scheduler=scheduler)
 
 
 def main():
