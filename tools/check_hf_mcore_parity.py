@@ -14,6 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch.distributed as dist  # noqa: E402
+
+from megatron_gspo.config import ParallelConfig  # noqa: E402
+from megatron_gspo.convert.parity import check_parity  # noqa: E402
+from megatron_gspo.rollout.server import free_port  # noqa: E402
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,27 +33,17 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=1e-4, help="largest allowed |log-prob diff|")
     args = parser.parse_args()
 
-    if "RANK" not in os.environ:  # not under torchrun: launch ourselves
-        from megatron_gspo.parallel.launch import torchrun
+    if "RANK" not in os.environ:  # not under torchrun: become a torchrun of tp*pp*ep ranks running this file
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                  str(args.tp * args.pp * args.ep), "--master-addr", "127.0.0.1",
+                                  "--master-port", str(free_port()), __file__, *sys.argv[1:]])
 
-        try:
-            out = torchrun(__file__, args.tp * args.pp * args.ep, *sys.argv[1:], timeout=3600)
-        except RuntimeError as error:
-            sys.exit(str(error))
-        print("\n".join(line for line in out.splitlines() if line.startswith(("parity", "FAIL", "OK"))))
-        return
-
-    import torch.distributed as dist
-
-    from megatron_gspo.convert.parity import check_parity
-    from megatron_gspo.parallel.groups import Layout
-
-    layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep)
+    layout = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, dp=args.ep)
     report = check_parity(args.hf, args.mcore, layout, batch=args.batch, seq_len=args.seq_len)
     failed = report is not None and not report.max_abs_diff <= args.threshold
     if report is not None:
         print(f"parity {layout}: {report}")
-        print(f"FAIL: max diff above {args.threshold}" if failed else f"OK: within {args.threshold}")
+        print(f"FAIL: max diff above {args.threshold}" if failed else f"OK: within {args.threshold}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -20,20 +20,18 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from megatron_gspo.convert import mapping
+from megatron_gspo.convert.load import named_model_chunks
 from megatron_gspo.model.gpt import Qwen3Shape
 
 
 def _local_shards(model_chunks) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
     """key -> [(global offsets, data with the stacked axes as size-1 dims)] of this rank's main replicas."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-    from megatron.core.distributed import DistributedDataParallel
-
     shards = {}
-    for chunk in model_chunks:
-        module = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+    for _, module in named_model_chunks(model_chunks):
         for value in nested_values(module.sharded_state_dict()):
             built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
             for sh in built:

@@ -12,9 +12,20 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+from megatron.core.process_groups_config import ProcessGroupCollection
+from transformers import AutoModelForCausalLM
+
+from megatron_gspo.convert.hf_config import read_hf_config
+from megatron_gspo.convert.load import load_weights
+from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, transformer_config
+from megatron_gspo.parallel.groups import init_megatron
+from megatron_gspo.training.step import run_schedule
 
 
 @dataclass(frozen=True)
@@ -44,15 +55,10 @@ def _vocab_parallel_argmax(logits_BSV, *, tp_group, vocab_size: int) -> torch.Te
     return torch.stack(ids).gather(0, winner_BS[None]).squeeze(0)
 
 
-def megatron_scores(model, tokens_BS: torch.Tensor, vocab_size: int):
+def megatron_scores(model, tokens_BS: torch.Tensor, vocab_size: int, *, pgs: ProcessGroupCollection):
     """(log-probs of tokens[:, 1:], argmax ids) [B, S-1] each on the last pipeline stage, else None."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
-
     B, S = tokens_BS.shape
-    tp_group = ps.get_tensor_model_parallel_group()
+    tp_group = pgs.tp
     labels_BS = torch.roll(tokens_BS, -1, dims=1)
 
     def loss_func(output_BSV):
@@ -66,18 +72,15 @@ def megatron_scores(model, tokens_BS: torch.Tensor, vocab_size: int):
         return chunk(tokens, positions, None), loss_func
 
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([tokens_BS]), model=model, num_microbatches=1,
-            seq_length=S, micro_batch_size=B, forward_only=True)
-    if not ps.is_pipeline_last_stage():
+        one_batch = SimpleNamespace(micro_batches=[tokens_BS], num_microbatches=1, seq_length=S, micro_batch_size=B)
+        outputs = run_schedule(model, one_batch, forward_step, pgs=pgs, forward_only=True)
+    if not is_pp_last_stage(pgs.pp):
         return None
     return outputs[0]["logprobs"][:, :-1], outputs[0]["argmax"][:, :-1]
 
 
 def hf_scores(hf_dir: Path, tokens_BS: torch.Tensor):
     """transformers' float32 (log-probs of tokens[:, 1:], argmax ids) [B, S-1]."""
-    from transformers import AutoModelForCausalLM
-
     device = tokens_BS.device
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
@@ -89,16 +92,9 @@ def hf_scores(hf_dir: Path, tokens_BS: torch.Tensor):
 def check_parity(hf_dir: str | Path, mcore_dir: str | Path, layout, *, batch: int = 2, seq_len: int = 256,
                  seed: int = 0) -> ParityReport | None:
     """Collective: build, load, score and compare. Returns the report on global rank 0, None elsewhere."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_gspo.convert.hf_config import read_hf_config
-    from megatron_gspo.convert.load import load_weights
-    from megatron_gspo.model.gpt import build_model, transformer_config
-    from megatron_gspo.parallel.groups import init_megatron
-
     shape = read_hf_config(hf_dir)
-    init_megatron(layout)
-    model = build_model(shape, transformer_config(shape, layout), wrap_ddp=False)
+    pgs = init_megatron(layout)
+    model = build_model(shape, transformer_config(shape, layout), pgs=pgs, wrap_ddp=False)
     load_weights(model, mcore_dir)
     for chunk in model:
         chunk.eval()
@@ -106,11 +102,10 @@ def check_parity(hf_dir: str | Path, mcore_dir: str | Path, layout, *, batch: in
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokens_BS = torch.randint(0, shape.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     tokens_BS = tokens_BS.to(device)
-    scores = megatron_scores(model, tokens_BS, shape.vocab_size)
+    scores = megatron_scores(model, tokens_BS, shape.vocab_size, pgs=pgs)
 
     # Exactly one rank (last stage, TP rank 0, DP rank 0) contributes; a sum brings it to everyone.
-    mine = (scores is not None and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0)
+    mine = scores is not None and pgs.tp.rank() == 0 and pgs.dp.rank() == 0
     shared = torch.zeros(2, batch, seq_len - 1, dtype=torch.float64, device=device)
     if mine:
         shared[0], shared[1] = scores[0].double(), scores[1].double()

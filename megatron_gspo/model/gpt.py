@@ -10,8 +10,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
+                                                   is_vp_last_stage)
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_gspo.parallel.groups import Layout
+from megatron_gspo.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,10 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def transformer_config(shape: Qwen3Shape, layout: Layout, *, params_dtype=torch.float32,
+def transformer_config(shape: Qwen3Shape, layout: ParallelConfig, *, params_dtype=torch.float32,
                        aux_loss_coeff: float = 1e-3, aux_loss_type: str = "seq_aux_loss",
                        **overrides):
     """Megatron TransformerConfig for `shape` under `layout`; `overrides` win over derived values."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     moe = {}
     if shape.is_moe:
         moe = dict(
@@ -138,27 +142,33 @@ def layer_spec(shape: Qwen3Shape):
     return local_layer_spec(num_experts=shape.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
 
 
-def build_model(shape: Qwen3Shape, config, *, wrap_ddp: bool = True, ddp_overrides: dict | None = None):
-    """This rank's model chunks (a list: one per virtual pipeline stage), DDP-wrapped if asked."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
+def build_model(shape: Qwen3Shape, config, *, pgs: ProcessGroupCollection, wrap_ddp: bool = True,
+                ddp_overrides: dict | None = None):
+    """This rank's model chunks (a list: one per virtual pipeline stage), DDP-wrapped if asked.
 
-    vpp = config.virtual_pipeline_model_parallel_size or 1
+    GPTModel (and through it every layer: attention, MLP, MoE router and dispatcher, embeddings)
+    and DDP get the process groups `pgs` (`pg_collection=`); the schedules hand the same collection
+    to finalize_model_grads (training/step.py run_schedule). What megatron-core 0.16.1 still reads
+    from its globals at step time regardless (e.g. RowParallelLinear.forward passes tp_group=None,
+    tensor_parallel/layers.py:1281, for a group it then does not use) is listed, with each upstream
+    line, in tests/distributed/workers/explicit_groups.py.
+    """
+    vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
-    for vp_stage in range(vpp):
+    for vp_stage in range(vpp or 1):
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(shape),
             vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),
             max_sequence_length=shape.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=is_pp_first_stage(pgs.pp) and is_vp_first_stage(vp_stage, vpp),
+            post_process=is_pp_last_stage(pgs.pp) and is_vp_last_stage(vp_stage, vpp),
             parallel_output=True,
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(shape.rotary_base),
-            vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
+            vp_stage=vp_stage if vpp else None,
+            pg_collection=pgs,
         )
         chunks.append(model)
     if not wrap_ddp:
@@ -167,15 +177,19 @@ def build_model(shape: Qwen3Shape, config, *, wrap_ddp: bool = True, ddp_overrid
         "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False,
         **(ddp_overrides or {})})
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                     disable_bucketing=i > 0)
+                                     disable_bucketing=i > 0, pg_collection=pgs)
              for i, chunk in enumerate(chunks)]
     # The schedules call these hooks (as Megatron-LM's training.py sets them): without
     # finalize_model_grads no gradient is all-reduced over DP, nor are sequence-parallel norm grads
     # over TP, nor tied embeddings over PP.
-    from megatron.core.distributed import finalize_model_grads
-
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return model
+
+
+def model_process_groups(model_chunks) -> ProcessGroupCollection:
+    """The process groups `build_model` gave these chunks (GPTModel keeps its `pg_collection`)."""
+    chunk = model_chunks[0]
+    return (chunk.module if isinstance(chunk, DistributedDataParallel) else chunk).pg_collection
 

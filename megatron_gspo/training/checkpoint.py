@@ -37,6 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+from megatron_gspo.convert.load import named_model_chunks
 
 LATEST = "latest_checkpointed_iteration.txt"
 _COMPLETE = re.compile(r"^iter_(\d{7})$")
@@ -79,9 +84,7 @@ def find_latest(ckpt_dir: str | os.PathLike) -> int | None:
 
 
 def _sharded_state(model: list, optimizer, *, is_loading: bool) -> dict:
-    modules = [getattr(chunk, "module", chunk) for chunk in model]
-    model_state = ({"model": modules[0].sharded_state_dict()} if len(modules) == 1 else
-                   {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)})
+    model_state = {name: module.sharded_state_dict() for name, module in named_model_chunks(model)}
     state = dict(model_state)
     if optimizer is not None:
         # Megatron-LM's default layout for the distributed optimizer's state (other optimizers ignore it).
@@ -100,8 +103,6 @@ def _create_distributed_optimizer_state(optimizer) -> None:
     replaces it, and the model weights are loaded after it (a zero-gradient AdamW step can still
     apply weight decay).
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
             with torch.no_grad():
@@ -117,8 +118,6 @@ def _restore_distributed_optimizer_steps(optimizer, loaded: dict) -> None:
     Adam: the step stays 1 and Adam's bias correction is wrong after a resume. Measured on CPU with
     megatron-core 0.16.1; a no-op with apex/TE and for the non-distributed optimizers.
     """
-    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
-
     if HAVE_APEX_OR_TE:
         return
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -136,16 +135,12 @@ def _restore_distributed_optimizer_steps(optimizer, loaded: dict) -> None:
 
 
 def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
 
 
 def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -171,8 +166,6 @@ def _stop_writer_manager() -> None:
     the trainer is then killed (kill -9, os._exit), that process is orphaned and keeps the launcher's
     stdout open. Stopping it after each save costs one process start per checkpoint.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     queue = getattr(filesystem_async, "_results_queue", None)
     manager = getattr(queue, "_manager", None)
     if manager is not None:
@@ -183,8 +176,6 @@ def _stop_writer_manager() -> None:
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: list, optimizer, scheduler=None,
                     *, keep_last: int = 0) -> Path:
     """Write checkpoint `state.step` (collective: every rank calls it). Returns its directory."""
-    from megatron.core import dist_checkpointing
-
     rank = dist.get_rank()
     final = iteration_dir(ckpt_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -223,8 +214,6 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, sc
 
     Collective: every rank calls it.
     """
-    from megatron.core import dist_checkpointing
-
     step = find_latest(ckpt_dir) if step is None else step
     if step is None:
         return None
@@ -232,9 +221,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, sc
     if optimizer is not None:
         _create_distributed_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
-    modules = [getattr(chunk, "module", chunk) for chunk in model]
-    for i, module in enumerate(modules):
-        module.load_state_dict(loaded["model"] if len(modules) == 1 else loaded[f"model{i}"])
+    for name, module in named_model_chunks(model):
+        module.load_state_dict(loaded[name])
     if optimizer is not None:
         with torch.no_grad():  # it copies into the main parameters, views of the model's with fp32 params
             optimizer.load_state_dict(loaded["optimizer"])

@@ -6,6 +6,9 @@ so the gradient is  sum over (dp, cp, micro-batch) of loss * cp / (num_microbatc
 Returning loss = loss_sum * num_microbatches * dp / N_global therefore gives exactly
 d(sum loss_sum / N_global)/d(theta): the GSPO objective over the global batch of N_global sequences,
 whatever its split into data-parallel ranks, CP ranks, micro-batches and pipeline stages.
+The process groups come in as `pgs` (parallel/groups.py:init_megatron's collection): the loss reads
+`pgs.tp` (vocabulary shards), `pgs.cp` (sequence shards) and the size of `pgs.dp` (the `dp` above:
+data-parallel without CP).
 We use this contract rather than `calculate_per_token_loss` because it leaves the MoE auxiliary loss
 with Megatron's standard scaling (a mean over micro-batches and DP ranks); in per-token mode Megatron
 rescales the aux loss by the local *token* count (transformer/moe/router.py:456), which assumes the
@@ -18,27 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.process_groups_config import ProcessGroupCollection
+
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.loss.policy import Algorithm, policy_loss
 from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.types import MicroBatch
-
-
-@dataclass(frozen=True)
-class Groups:
-    """The process groups the loss needs, passed explicitly to the math."""
-
-    tp: object
-    cp: object
-    dp_size: int
-    """Data-parallel size without CP (the `dp` of the contract above)."""
-
-    @staticmethod
-    def from_parallel_state() -> "Groups":
-        from megatron.core import parallel_state as ps
-
-        return Groups(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
-                      dp_size=ps.get_data_parallel_world_size())
 
 
 @dataclass(frozen=True)
@@ -55,7 +43,8 @@ class LossSettings:
     """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
 
 
-def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Groups, *, with_entropy: bool = False):
+def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *,
+              with_entropy: bool = False):
     # inplace: the logits are the output layer's, read by nothing after this call (that layer's
     # backward needs its input and weight only), so they are overwritten and become their own
     # gradient buffer, as in Megatron's vocab_parallel_cross_entropy: no second logits-sized buffer.
@@ -65,7 +54,7 @@ def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, groups: Gro
     # they stay bitwise equal to it (the in-place forward's values equal the copy path's bit for
     # bit in our tests, but one code path for both needs no such argument on every device).
     # with_entropy leaves the log-probs bitwise unchanged (tests/unit/test_logprobs.py).
-    return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=groups.tp,
+    return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=pgs.tp,
                                    temperature=settings.temperature, vocab_size=settings.vocab_size,
                                    with_entropy=with_entropy, inplace=True)
 
@@ -80,7 +69,7 @@ def _run_model(model, batch: MicroBatch):
     return model(batch.tokens_BS, positions_BS, None)
 
 
-def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_sequences: int,
+def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
                         num_microbatches: int, with_entropy: bool = False):
     """A forward step whose gradients are d(loss_sum / num_global_sequences)/d(theta) (see above).
 
@@ -90,10 +79,10 @@ def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_se
     """
     if num_global_sequences < 1:
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
-    scale = num_microbatches * groups.dp_size / num_global_sequences
+    scale = num_microbatches * pgs.dp.size() / num_global_sequences
 
     def loss_func(batch: MicroBatch, output_BSV):
-        out = _logprobs(output_BSV, batch, settings, groups, with_entropy=with_entropy)
+        out = _logprobs(output_BSV, batch, settings, pgs, with_entropy=with_entropy)
         logprobs_BS, entropy_BS = out if with_entropy else (out, None)
         rows, seq_len = logprobs_BS.shape
         advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
@@ -101,31 +90,31 @@ def policy_forward_step(settings: LossSettings, *, groups: Groups, num_global_se
             logprobs_BS.flatten(), batch.old_logprobs_BS.flatten(), advantages,
             batch.loss_mask_BS.flatten(), torch.arange(rows + 1) * seq_len,
             algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
-            cp_group=groups.cp)
+            cp_group=pgs.cp)
         if with_entropy:
             metrics["entropy_token_sum"] = _entropy_sum(entropy_BS, batch)
         logs = {"loss_sum": loss_sum.detach(), "num_sequences": num_sequences, "metrics": metrics}
         return loss_sum * scale, logs
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator).for_cp_rank(group_size(groups.cp), group_rank(groups.cp))
+        batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
         return _run_model(model, batch), functools.partial(loss_func, batch)
 
     return forward_step
 
 
-def logprobs_forward_step(settings: LossSettings, *, groups: Groups):
+def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection):
     """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
     the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward)."""
 
     def loss_func(batch: MicroBatch, output_BSV):
-        logprobs_BS, entropy_BS = _logprobs(output_BSV, batch, settings, groups, with_entropy=True)
+        logprobs_BS, entropy_BS = _logprobs(output_BSV, batch, settings, pgs, with_entropy=True)
         return output_BSV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
                                           "entropy_token_sum": _entropy_sum(entropy_BS, batch),
                                           "response_tokens": batch.loss_mask_BS.bool().sum().double()}
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator).for_cp_rank(group_size(groups.cp), group_rank(groups.cp))
+        batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
         return _run_model(model, batch), functools.partial(loss_func, batch)
 
     return forward_step

@@ -35,7 +35,7 @@ from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo.loss.advantages import group_advantages
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.backends import open_backend
 from megatron_gspo.rollout.manager import Rollout, RolloutBatch
 from megatron_gspo.tasks import load_task
@@ -50,10 +50,9 @@ from megatron_gspo.training.step import train_on_batch
 
 def train(config: TrainConfig) -> None:
     preflight(config)
-    p = config.parallel
-    init_megatron(Layout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp), seed=config.seed)
+    pgs = init_megatron(config.parallel, seed=config.seed)  # every process group, built once
     stop = StopRequest()
-    policy = build_policy(config)
+    policy = build_policy(config, pgs)
     settings = step_settings(config, policy.shape)
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
@@ -75,7 +74,8 @@ def train(config: TrainConfig) -> None:
             # 3. Group-normalised advantages: one per sample.
             responses = with_advantages(batch, config)
             # 4. K mini-batches, one optimizer step each.
-            records = train_on_batch(policy.model, policy.optimizer, responses, settings, scheduler=policy.scheduler)
+            records = train_on_batch(policy.model, policy.optimizer, responses, settings, pgs=pgs,
+                                     scheduler=policy.scheduler)
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
             timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))

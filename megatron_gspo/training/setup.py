@@ -1,6 +1,6 @@
 """From a TrainConfig to what train_on_batch needs: the model chunks, Adam + schedule, step settings.
 
-Call after `parallel.groups.init_megatron(config.parallel)`. Initial weights are the
+Call with the process groups `pgs = parallel.groups.init_megatron(config.parallel)`. Initial weights are the
 caller's choice (random from `config.seed`, `convert.load.load_weights(policy.model, ...)`, or
 `checkpoint.load_checkpoint` when resuming).
 """
@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.convert.hf_config import read_hf_config
 from megatron_gspo.loss.policy import clip_range
 from megatron_gspo.model.gpt import Qwen3Shape, build_model, transformer_config
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.parallel.groups import manual_seed
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.optimizer import build_optimizer
 from megatron_gspo.training.step import StepSettings
@@ -26,31 +29,27 @@ class Policy:
     """This rank's DDP-wrapped model chunks."""
     optimizer: object
     scheduler: object
+    pgs: ProcessGroupCollection
+    """The process groups the model was built on (init_megatron's); pass them to train_on_batch."""
 
 
 def model_shape(config: TrainConfig) -> Qwen3Shape:
     if config.model.preset is not None:
         return PRESETS[config.model.preset]
-    from megatron_gspo.convert.hf_config import read_hf_config
-
     return read_hf_config(config.model.hf_path)
 
 
-def build_policy(config: TrainConfig) -> Policy:
+def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:
     """The model (randomly initialised from config.seed) with its optimizer and lr schedule."""
-    from megatron.core import tensor_parallel
-
     shape = model_shape(config)
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-    layout = config.parallel
-    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    torch.manual_seed(config.seed)
-    model = build_model(shape, transformer_config(shape, layout, params_dtype=dtype,
-                                                  aux_loss_coeff=config.model.moe_aux_loss_coeff),
+    manual_seed(config.seed, pgs)
+    model = build_model(shape, transformer_config(shape, config.parallel, params_dtype=dtype,
+                                                  aux_loss_coeff=config.model.moe_aux_loss_coeff), pgs=pgs,
                         ddp_overrides={"use_distributed_optimizer": config.parallel.distributed_optimizer})
     optimizer, scheduler = build_optimizer(model, config.optimizer, total_steps=config.optimizer_steps,
                                            params_dtype=dtype, distributed=config.parallel.distributed_optimizer)
-    return Policy(shape, model, optimizer, scheduler)
+    return Policy(shape, model, optimizer, scheduler, pgs)
 
 
 def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:

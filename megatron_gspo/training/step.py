@@ -1,6 +1,6 @@
 """One rollout batch -> K optimizer steps (GSPO's mini-batches), through Megatron's schedules.
 
-    records = train_on_batch(model, optimizer, responses, settings, scheduler=scheduler)
+    records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, scheduler=scheduler)
 
 1. The batch is cut into K consecutive mini-batches and each is packed for this DP rank (packing.py).
 2. old_logprobs="recompute": one forward-only pass per mini-batch, before any update, on exactly the
@@ -11,7 +11,9 @@
    makes the gradient d(-J over the mini-batch's N sequences)), one optimizer step, metrics.
 
 Every rank gets the same list of per-optimizer-step metric dicts (reduced over data/context
-parallel ranks and sent from the last pipeline stage).
+parallel ranks and sent from the last pipeline stage). Process groups come only from `pgs`
+(parallel/groups.py:init_megatron's ProcessGroupCollection), passed down to the loss and to
+Megatron's schedules (`pg_collection=`), never from Megatron's global parallel_state.
 """
 from __future__ import annotations
 
@@ -21,12 +23,17 @@ from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_stage
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
 
 from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
 from megatron_gspo.parallel.context_parallel import gather_from_cp
-from megatron_gspo.parallel.collectives import group_rank, group_size
-from megatron_gspo.training.forward_step import (Groups, LossSettings, logprobs_forward_step,
-                                                 policy_forward_step)
+from megatron_gspo.parallel.collectives import group_rank
+from megatron_gspo.parallel.groups import sequence_pad_multiple
+from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step, policy_forward_step
 from megatron_gspo.training.packing import PackedMiniBatch, Trainable, pack_minibatch
 
 
@@ -50,7 +57,7 @@ def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[T
 
 
 def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], settings: StepSettings, *,
-                   scheduler=None, groups: Groups | None = None) -> list[dict[str, float]]:
+                   pgs: ProcessGroupCollection, scheduler=None) -> list[dict[str, float]]:
     """Train on one rollout batch (the same list on every rank); one metrics dict per optimizer step.
 
     Keys: loss (-J of the mini-batch), clipped_fraction_seq / _token, ratio_mean / _min / _max (s_i),
@@ -61,29 +68,23 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     update_successful, microbatches, train_time_s, recompute_time_s, train_tokens_per_s (response tokens
     of every DP rank through fwd+bwd+optimizer per second of this optimizer step).
     """
-    from megatron.core import parallel_state as ps
-
-    groups = groups or Groups.from_parallel_state()
     if settings.old_logprobs == "rollout" and any(r.rollout_logprobs is None for r in responses):
         raise ValueError("old_logprobs='rollout' needs rollout_logprobs on every response")
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    packed = [pack_minibatch(mini, dp_size=groups.dp_size, dp_rank=ps.get_data_parallel_rank(),
-                             max_tokens=settings.max_tokens_per_microbatch,
-                             pad_multiple=2 * group_size(groups.cp) * tp, uniform=pp > 1)
+    packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch)
               for mini in split_minibatches(responses, settings.num_minibatches)]
 
     gaps: list[dict[str, float]] = [{} for _ in packed]
     start = time.perf_counter()
     if settings.old_logprobs == "recompute":
         for k, mini in enumerate(packed):
-            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, groups)
+            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, pgs)
     recompute_s = time.perf_counter() - start
 
     records = []
     for k, mini in enumerate(packed):
         start = time.perf_counter()
         # The policy's entropy comes with the recompute pass; without one, from the training forward.
-        record = _optimizer_step(model, optimizer, mini, settings.loss, groups,
+        record = _optimizer_step(model, optimizer, mini, settings.loss, pgs,
                                  with_entropy=settings.old_logprobs == "rollout")
         if scheduler is not None:
             scheduler.step(1)
@@ -99,47 +100,48 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     return records
 
 
-def run_schedule(model, mini: PackedMiniBatch, forward_step, *, forward_only: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_tokens: int) -> PackedMiniBatch:
+    """This DP rank's share of `responses` in micro-batches (equal ones under PP: uniform shapes)."""
+    return pack_minibatch(responses, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=max_tokens,
+                          pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1)
 
+
+def run_schedule(model, mini: PackedMiniBatch, forward_step, *, pgs: ProcessGroupCollection, forward_only: bool):
+    """Megatron's pipeline schedule for `model` over the micro-batches of `mini`, on the groups of `pgs`
+    (the schedule hands them on to config.finalize_model_grads_func as well)."""
+    config = get_model_config(model[0])
+    schedule = get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=config.virtual_pipeline_model_parallel_size)
     data = [iter(mini.micro_batches) for _ in model] if len(model) > 1 else iter(mini.micro_batches)
-    return get_forward_backward_func()(
+    return schedule(
         forward_step_func=forward_step, data_iterator=data, model=model,
         num_microbatches=mini.num_microbatches, seq_length=mini.seq_length,
-        micro_batch_size=mini.micro_batch_size, forward_only=forward_only)
-
-
-def _dp_cp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group(with_context_parallel=True)
+        micro_batch_size=mini.micro_batch_size, forward_only=forward_only,
+        p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config), pg_collection=pgs)
 
 
 @torch.no_grad()
-def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, groups: Groups) -> dict:
+def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection) -> dict:
     """Fill every micro-batch's old_logprobs_BS with the current policy's; return the rollout gap."""
-    from megatron.core import parallel_state as ps
-
     # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
-    outputs = run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
-        return _from_last_stage({})
+    outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs), pgs=pgs, forward_only=True)
+    if not is_pp_last_stage(pgs.pp):
+        return _from_last_stage({}, pgs)
     # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
     sums = torch.zeros(7, dtype=torch.float64)
     for i, (mb, out) in enumerate(zip(mini.micro_batches, outputs)):
-        logprobs_BS = gather_from_cp(out["logprobs"], groups.cp)
+        logprobs_BS = gather_from_cp(out["logprobs"], pgs.cp)
         mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
-        if mini.rollout_logprobs and group_rank(groups.cp) == 0:
+        if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
             sums[:5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
         sums[5:] += torch.stack([out["entropy_token_sum"], out["response_tokens"]])
-    dist.all_reduce(sums, group=_dp_cp_group())
+    dist.all_reduce(sums, group=pgs.dp_cp)
     abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = sums.tolist()
     values = {"entropy": entropy_sum / max(entropy_tokens, 1.0)}
     if mini.rollout_logprobs:
         values.update({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
                        "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
                        "rollout_nonfinite_tokens": nonfinite})
-    return _from_last_stage(values)
+    return _from_last_stage(values, pgs)
 
 
 def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
@@ -154,68 +156,57 @@ def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
                         has.sum().double(), (mask_BS.bool() & ~finite_BS).sum().double()])
 
 
-def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, groups: Groups, *,
+def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
                     with_entropy: bool = False) -> dict:
-    from megatron.core import parallel_state as ps
-
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_step = policy_forward_step(loss, groups=groups, num_global_sequences=mini.num_global_sequences,
+    forward_step = policy_forward_step(loss, pgs=pgs, num_global_sequences=mini.num_global_sequences,
                                        num_microbatches=mini.num_microbatches, with_entropy=with_entropy)
-    outputs = run_schedule(model, mini, forward_step, forward_only=False)
+    outputs = run_schedule(model, mini, forward_step, pgs=pgs, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     loss_metrics = {}
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        raw = reduce_metrics([o["metrics"] for o in outputs], group=_dp_cp_group())
+    if is_pp_last_stage(pgs.pp):
+        raw = reduce_metrics([o["metrics"] for o in outputs], group=pgs.dp_cp)
         loss_sum = torch.stack([o["loss_sum"].double() for o in outputs]).sum()
-        dist.all_reduce(loss_sum, group=_dp_cp_group())
+        dist.all_reduce(loss_sum, group=pgs.dp_cp)
         loss_metrics = {"loss": loss_sum.item() / mini.num_global_sequences,
                         "sequences": float(mini.num_global_sequences), **summarize_metrics(raw)}
     # The optimizer's numbers are the same on every rank; the loss's live on the last stage.
-    return {**_from_last_stage(loss_metrics),
+    return {**_from_last_stage(loss_metrics, pgs),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_successful": float(bool(update_successful)),
             "lr": float(optimizer.param_groups[0]["lr"]),
             "microbatches": float(mini.num_microbatches)}
 
 
-def _from_last_stage(values: dict) -> dict:
+def _from_last_stage(values: dict, pgs: ProcessGroupCollection) -> dict:
     """`values` of the last pipeline stage, on every rank of the pipeline (identity without PP)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if pgs.pp.size() == 1:
         return values
     box = [values]
-    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
+    dist.broadcast_object_list(box, src=get_pp_last_rank(pgs.pp), group=pgs.pp)
     return box[0]
 
 
 @torch.no_grad()
 def compute_logprobs(model: list, responses: Sequence[Trainable], loss: LossSettings, *,
-                     max_tokens_per_microbatch: int = 8192, groups: Groups | None = None) -> list[list[float]]:
+                     pgs: ProcessGroupCollection, max_tokens_per_microbatch: int = 8192) -> list[list[float]]:
     """The current policy's log-prob of every response token (float32), for all responses on every rank.
 
     Data-parallel ranks each compute their share; the results are exchanged with all_gather_object.
     """
-    from megatron.core import parallel_state as ps
-
-    groups = groups or Groups.from_parallel_state()
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    mini = pack_minibatch(responses, dp_size=groups.dp_size, dp_rank=ps.get_data_parallel_rank(),
-                          max_tokens=max_tokens_per_microbatch,
-                          pad_multiple=2 * group_size(groups.cp) * tp, uniform=pp > 1)
-    outputs = run_schedule(model, mini, logprobs_forward_step(loss, groups=groups), forward_only=True)
+    mini = _pack(responses, pgs, max_tokens_per_microbatch)
+    outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs), pgs=pgs, forward_only=True)
     mine: dict[int, list[float]] = {}
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if is_pp_last_stage(pgs.pp):
         for rows, out in zip(mini.rows, outputs):
-            logprobs_BS = gather_from_cp(out["logprobs"], groups.cp)
+            logprobs_BS = gather_from_cp(out["logprobs"], pgs.cp)
             for b, i in enumerate(rows):
                 start = len(responses[i].prompt_ids) - 1
                 mine[i] = logprobs_BS[b, start:start + len(responses[i].response_ids)].float().tolist()
-        parts: list = [None] * groups.dp_size
-        dist.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
+        parts: list = [None] * pgs.dp.size()
+        dist.all_gather_object(parts, mine, group=pgs.dp)
         mine = {i: v for part in parts for i, v in part.items()}
-    mine = _from_last_stage(mine)
+    mine = _from_last_stage(mine, pgs)
     return [mine[i] for i in range(len(responses))]

@@ -30,7 +30,7 @@ from megatron_gspo.convert.load import load_weights
 from megatron_gspo.convert.safetensors_io import SafetensorsReader
 from megatron_gspo.model.gpt import build_model, transformer_config
 from megatron_gspo.parallel.groups import Layout, init_megatron
-from megatron_gspo.training.forward_step import Groups, LossSettings, logprobs_forward_step
+from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step
 from megatron_gspo.types import MicroBatch
 
 TOLERANCE = 1e-4
@@ -49,9 +49,9 @@ def check(workdir: Path, kind: str, layout_name: str):
 
     layout = parse_layout(layout_name)
     shape = read_hf_config(workdir / kind / "hf")
-    init_megatron(layout)
+    pgs = init_megatron(layout)
     where = f"[{kind}:{layout_name} rank {dist.get_rank()}]"
-    model = build_model(shape, transformer_config(shape, layout), wrap_ddp=False)
+    model = build_model(shape, transformer_config(shape, layout), pgs=pgs, wrap_ddp=False)
     (module,) = model
     load_weights(model, workdir / kind / "mcore")
     module.eval()
@@ -63,7 +63,7 @@ def check(workdir: Path, kind: str, layout_name: str):
     settings = LossSettings(vocab_size=shape.vocab_size)
     with torch.no_grad():
         outputs = get_forward_backward_func()(
-            forward_step_func=logprobs_forward_step(settings, groups=Groups.from_parallel_state()),
+            forward_step_func=logprobs_forward_step(settings, pgs=pgs),
             data_iterator=iter([batch]), model=model, num_microbatches=1, seq_length=S,
             micro_batch_size=B, forward_only=True)
     report = ""

@@ -22,7 +22,7 @@ from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
 from megatron_gspo.parallel.context_parallel import gather_from_cp
 from megatron_gspo.parallel.groups import Layout, init_megatron
-from megatron_gspo.training.forward_step import (Groups, LossSettings, logprobs_forward_step,
+from megatron_gspo.training.forward_step import (LossSettings, logprobs_forward_step,
                                                  policy_forward_step)
 from megatron_gspo.types import MicroBatch
 
@@ -53,13 +53,13 @@ def main() -> None:
     tp, pp, cp, ep, num_mb = map(int, sys.argv[3:8])
     algorithm = sys.argv[8] if len(sys.argv) > 8 else "gspo"
     layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep)
-    init_megatron(layout, seed=1234)
+    pgs = init_megatron(layout, seed=1234)
     from megatron.core import dist_checkpointing, parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     config = transformer_config(TINY_MOE, layout)
-    model = build_model(TINY_MOE, config)
+    model = build_model(TINY_MOE, config, pgs=pgs)
     (module,) = [chunk.module for chunk in model]
     if name == "reference":
         (workdir / "init").mkdir()
@@ -75,7 +75,6 @@ def main() -> None:
     rows = B // dp
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
     mb_rows = rows // num_mb
-    groups = Groups.from_parallel_state()
     settings = LossSettings(algorithm=algorithm, vocab_size=TINY_MOE.vocab_size)
     last_stage = ps.is_pipeline_last_stage()
 
@@ -87,9 +86,9 @@ def main() -> None:
     run = dict(model=model, num_microbatches=num_mb, seq_length=S // cp, micro_batch_size=mb_rows)
 
     # 1. Old log-probs, recomputed forward-only (mini-batch 1 is on-policy).
-    outputs = schedule(forward_step_func=logprobs_forward_step(settings, groups=groups),
+    outputs = schedule(forward_step_func=logprobs_forward_step(settings, pgs=pgs),
                        data_iterator=iter(micro_batches(torch.zeros(rows, S))), forward_only=True, **run)
-    logprobs = (torch.cat([gather_from_cp(o["logprobs"], groups.cp) for o in outputs]) if last_stage
+    logprobs = (torch.cat([gather_from_cp(o["logprobs"], pgs.cp) for o in outputs]) if last_stage
                 else torch.zeros(rows, S))
 
     # 2. One GSPO step on old log-probs shifted per sequence (some sequences inside the band, some clipped).
@@ -97,7 +96,7 @@ def main() -> None:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = schedule(forward_step_func=policy_forward_step(settings, groups=groups,
+    outputs = schedule(forward_step_func=policy_forward_step(settings, pgs=pgs,
                                                              num_global_sequences=B, num_microbatches=num_mb),
                        data_iterator=iter(micro_batches(old_logprobs)), forward_only=False, **run)
     _, grad_norm, _ = optimizer.step()
@@ -131,7 +130,7 @@ def main() -> None:
         f"{where} grad norm {grad_norm} vs {ref['grad_norm']}"
 
     # A fresh config: the trained model's now holds schedule hooks bound to its DDP wrappers.
-    reference_after = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), wrap_ddp=False)[0]
+    reference_after = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), pgs=pgs, wrap_ddp=False)[0]
     reference_after.load_state_dict(
         dist_checkpointing.load(reference_after.sharded_state_dict(), str(workdir / "after")))
     ref_params = dict(reference_after.named_parameters())

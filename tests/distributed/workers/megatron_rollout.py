@@ -79,18 +79,18 @@ def main() -> None:
                          parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, dp=world // (tp * pp * cp)),
                          gspo=GSPOConfig(group_size=N, prompts_per_step=5, num_minibatches=1),
                          rollout=RolloutConfig(backend="megatron"), seed=99, num_steps=1)
-    init_megatron(config.parallel.layout, seed=config.seed)
+    pgs = init_megatron(config.parallel.layout, seed=config.seed)
     rank = dist.get_rank()
     if name == "reference" and rank == 0:
         from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
         convert_hf_to_mcore(workdir / "hf", workdir / "mcore", progress=False)
     dist.barrier()
-    policy = build_policy(config)
+    policy = build_policy(config, pgs)
     load_weights(policy.model, workdir / "mcore")
 
     def run(**kw):
         settings = GenerationSettings(temperature=TEMPERATURE, max_new_tokens=6, max_tokens_per_microbatch=64, **kw)
-        generator = MegatronGenerator(policy.model, settings, vocab_size=VOCAB, seed=config.seed)
+        generator = MegatronGenerator(policy.model, settings, vocab_size=VOCAB, seed=config.seed, pgs=pgs)
         groups, stats = generator.generate(prompts(), n=N, weight_version="7")
         return groups, stats
 

@@ -16,10 +16,12 @@ import types
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_gspo.model.gpt import TINY_MOE, build_model, model_process_groups, transformer_config
 from megatron_gspo.parallel.groups import Layout, init_megatron
 from megatron_gspo.platform.cpu import PATCHES, CudaLiteralsToCpu, apply_cpu_patches, revert_cpu_patches
-from megatron_gspo.training.forward_step import Groups, LossSettings, policy_forward_step
+from megatron_gspo.training.forward_step import LossSettings, policy_forward_step
 from megatron_gspo.types import MicroBatch
 
 LAYOUT = Layout(ep=2)
@@ -31,13 +33,13 @@ def train_step() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     config = transformer_config(TINY_MOE, LAYOUT)
-    model = build_model(TINY_MOE, config)
+    model = build_model(TINY_MOE, config, pgs=ProcessGroupCollection.use_mpu_process_groups())
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), model)
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, TINY_MOE.vocab_size, (2, 16), generator=g)
     batch = MicroBatch(tokens, tokens.roll(-1, 1), torch.ones(2, 16), torch.full((2, 16), -6.0),
                        torch.tensor([1.0, -1.0]))
-    step = policy_forward_step(LossSettings(vocab_size=TINY_MOE.vocab_size), groups=Groups.from_parallel_state(),
+    step = policy_forward_step(LossSettings(vocab_size=TINY_MOE.vocab_size), pgs=model_process_groups(model),
                                num_global_sequences=4, num_microbatches=1)
     get_forward_backward_func()(forward_step_func=step, data_iterator=iter([batch]), model=model,
                                 num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=False)
@@ -96,7 +98,8 @@ def tied_embeddings_across_stages() -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        build_model(dense, transformer_config(dense, Layout(pp=2)), wrap_ddp=False)
+        build_model(dense, transformer_config(dense, Layout(pp=2)), pgs=ProcessGroupCollection.use_mpu_process_groups(),
+                    wrap_ddp=False)
     finally:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(expert_model_parallel_size=LAYOUT.ep)

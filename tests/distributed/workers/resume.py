@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.parallel.groups import Layout, init_megatron
 from megatron_gspo.training.checkpoint import (TrainerState, complete_iterations, find_latest,
                                                load_checkpoint, save_checkpoint)
@@ -48,8 +49,8 @@ class SyntheticData:
                 for g in torch.randperm(2).tolist() for r in groups[g]]
 
 
-def setup(layout, seed):
-    model, optimizer, scheduler = tiny_model(layout, seed=seed, lr=2e-3, total_steps=STEPS * K,
+def setup(layout, pgs, seed):
+    model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=seed, lr=2e-3, total_steps=STEPS * K,
                                              schedule="cosine", warmup_steps=2, min_lr=1e-4,
                                              distributed_optimizer=DISTRIBUTED_OPTIMIZER)
     return model, optimizer, scheduler
@@ -57,25 +58,26 @@ def setup(layout, seed):
 
 def train(model, optimizer, scheduler, data, steps, settings):
     for _ in range(steps):
-        train_on_batch(model, optimizer, data.next_batch(), settings, scheduler=scheduler)
+        train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model),
+                       scheduler=scheduler)
 
 
 def main():
     workdir, phase, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     layout = Layout(tp=tp)
-    init_megatron(layout, seed=1)
+    pgs = init_megatron(layout, seed=1)
     rank = dist.get_rank()
     ckpt = workdir / "checkpoints"
     settings = StepSettings(LossSettings(algorithm="gspo", eps_low=0.05, eps_high=0.05,
                                          vocab_size=SHAPE.vocab_size), num_minibatches=K,
                             max_tokens_per_microbatch=64)
     if phase == "run":
-        model, optimizer, scheduler = setup(layout, seed=5)
+        model, optimizer, scheduler = setup(layout, pgs, seed=5)
         train(model, optimizer, scheduler, SyntheticData(), STEPS, settings)
         torch.save(params(model), workdir / f"reference_rank{rank}.pt")
         print(f"OK reference rank {rank}", flush=True)
 
-        model, optimizer, scheduler = setup(layout, seed=5)
+        model, optimizer, scheduler = setup(layout, pgs, seed=5)
         data = SyntheticData()
         for step in (1, 2):
             train(model, optimizer, scheduler, data, 1, settings)
@@ -90,7 +92,7 @@ def main():
         print(f"OK interrupted rank {rank}", flush=True)
         os._exit(0)  # no destroy_process_group, no atexit: as abrupt as a kill after the last flush
 
-    model, optimizer, scheduler = setup(layout, seed=99)   # different init: the checkpoint must win
+    model, optimizer, scheduler = setup(layout, pgs, seed=99)   # different init: the checkpoint must win
     torch.manual_seed(12345)                               # different RNG: the checkpoint's must win
     assert find_latest(ckpt) == 2, find_latest(ckpt)
     state = load_checkpoint(ckpt, model, optimizer, scheduler)
@@ -108,7 +110,7 @@ def main():
     assert worst <= 1e-7, f"rank {rank}: resumed parameters differ from the uninterrupted run by {worst:.3e}"
     # The checkpoint tools read it as a Megatron checkpoint (last: building a model reseeds the RNG).
     from megatron_gspo.convert.load import load_weights
-    other, _, _ = setup(layout, seed=123)
+    other, _, _ = setup(layout, pgs, seed=123)
     load_weights(other, ckpt)
     assert all(torch.equal(p, at_step2[n]) for n, p in params(other).items())
     print(f"OK resumed rank {rank}: parameters {'bitwise identical' if identical else f'within {worst:.1e}'} "

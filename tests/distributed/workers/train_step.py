@@ -36,16 +36,16 @@ def main():
     shape = PRESETS[preset]
     cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp)
-    init_megatron(layout, seed=1)
+    pgs = init_megatron(layout, seed=1)
     loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
     responses = synthetic_responses(seed=3, n=N)
 
     # 1. The gradient does not depend on the micro-batch split: one micro-batch vs. many.
     norms, losses = [], []
     for budget in (4096, 40):
-        model, optimizer, scheduler = tiny_model(layout, seed=5, preset=preset)
+        model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
         (rec,) = train_on_batch(model, optimizer, responses, StepSettings(loss, num_minibatches=1,
-                                max_tokens_per_microbatch=budget), scheduler=scheduler)
+                                max_tokens_per_microbatch=budget), pgs=pgs, scheduler=scheduler)
         norms.append(rec["grad_norm"]); losses.append(rec["loss"])
         say(f"budget {budget}: {rec['microbatches']:.0f} micro-batches, grad norm {rec['grad_norm']:.9f}")
     # MoE: the load-balancing aux loss is computed per micro-batch, so it (alone) depends on the split.
@@ -57,7 +57,7 @@ def main():
     #    mini-batch 2 was recomputed before step 1 moved the weights, so its ratios are not 1.
     records = train_on_batch(model, optimizer, responses,
                              StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64),
-                             scheduler=scheduler)
+                             pgs=pgs, scheduler=scheduler)
     first, second = records
     assert first["ratio_min"] == first["ratio_max"] == 1.0, first
     assert first["clipped_fraction_seq"] == 0.0 and first["clipped_fraction_token"] == 0.0, first
@@ -70,10 +70,10 @@ def main():
         f"clipped 0; second: ratio [{second['ratio_min']:.6f}, {second['ratio_max']:.6f}]")
 
     # 3. The train-vs-rollout gap: rollout log-probs = current ones shifted by +-1e-3 per sequence.
-    current = compute_logprobs(model, responses, loss)
+    current = compute_logprobs(model, responses, loss, pgs=pgs)
     shifted = [dataclasses.replace(r, rollout_logprobs=[lp + (1e-3 if i % 2 else -1e-3) for lp in lps])
                for i, (r, lps) in enumerate(zip(responses, current))]
-    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1))[0]
+    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1), pgs=pgs)[0]
     assert abs(rec["train_rollout_abs_delta_token"] - 1e-3) < 1e-5, rec
     assert abs(rec["train_rollout_abs_delta_seq"] - 1e-3) < 1e-5, rec
     assert rec["ratio_min"] == rec["ratio_max"] == 1.0   # recomputed old log-probs, not the rollout's
@@ -81,11 +81,11 @@ def main():
         f"{rec['train_rollout_abs_delta_seq']:.7f} per sequence (1e-3 injected)")
 
     # 4. Learning: with fixed old log-probs (rollout mode, wide clip) each step lowers the loss -J.
-    current = compute_logprobs(model, responses, loss)
+    current = compute_logprobs(model, responses, loss, pgs=pgs)
     fixed = [dataclasses.replace(r, rollout_logprobs=lps) for r, lps in zip(responses, current)]
     wide = StepSettings(dataclasses.replace(loss, eps_low=0.2, eps_high=0.2), num_minibatches=1,
                         old_logprobs="rollout")
-    history = [train_on_batch(model, optimizer, fixed, wide)[0]["loss"] for _ in range(5)]
+    history = [train_on_batch(model, optimizer, fixed, wide, pgs=pgs)[0]["loss"] for _ in range(5)]
     say("loss over steps: " + ", ".join(f"{v:.6f}" for v in history))
     # Step 1 starts on-policy: s == 1, so -J = -(1/N) sum of A over non-empty responses (an empty
     # response counts in N but adds nothing; group advantages sum to 0, so this is A_empty / N).
@@ -102,8 +102,8 @@ def main():
     #    mean at the same weights (lr 0 keeps them), and it lies in (0, log V].
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1))[0]["entropy"]
-    from_training = train_on_batch(model, optimizer, fixed, wide)[0]["entropy"]
+    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1), pgs=pgs)[0]["entropy"]
+    from_training = train_on_batch(model, optimizer, fixed, wide, pgs=pgs)[0]["entropy"]
     assert abs(from_recompute - from_training) <= 1e-6 * from_recompute, (from_recompute, from_training)
     assert 0.0 < from_recompute <= math.log(shape.vocab_size), from_recompute
     if tp == pp == cp == 1:  # every rank holds the whole model: a float64 reference from the logits

@@ -14,7 +14,7 @@ from megatron_gspo.training.setup import build_policy
 SHAPE = TINY_DENSE
 
 
-def tiny_model(layout, *, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",
+def tiny_model(layout, *, pgs, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",
                distributed_optimizer: bool = False, **optimizer):
     """(model chunks, Adam, scheduler), initialised identically for the same seed, via training.setup."""
     config = TrainConfig(
@@ -25,7 +25,7 @@ def tiny_model(layout, *, seed: int, lr: float = 1e-3, total_steps: int = 100, p
         rollout=RolloutConfig(backend="megatron"),
         optimizer=OptimizerConfig(**{"lr": lr, "clip_grad": 0.0, **optimizer}),
         seed=seed, num_steps=total_steps)
-    policy = build_policy(config)
+    policy = build_policy(config, pgs)
     return policy.model, policy.optimizer, policy.scheduler
 
 
