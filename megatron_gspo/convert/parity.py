@@ -25,7 +25,7 @@ from megatron_gspo.convert.load import load_weights
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model.gpt import build_model, transformer_config
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.training.step import run_schedule
+from megatron_gspo.model.schedule import run_schedule
 
 
 @dataclass(frozen=True)

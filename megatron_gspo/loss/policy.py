@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_gspo.parallel.collectives import all_reduce_sum, group_rank, group_size
 
@@ -244,8 +245,6 @@ def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 def reduce_metrics(metrics: list[dict[str, torch.Tensor]], group=None) -> dict[str, torch.Tensor]:
     """Combine raw metrics of several micro-batches, then across `group` (None: this rank only)."""
-    import torch.distributed as dist
-
     out: dict[str, torch.Tensor] = {}
     for key in metrics[0]:
         values = torch.stack([m[key] for m in metrics])

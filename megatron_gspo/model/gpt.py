@@ -18,6 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo.config import ParallelConfig
+from megatron_gspo.model.spec import local_layer_spec
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,6 @@ def layer_spec(shape: Qwen3Shape):
 
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=shape.num_experts, moe_grouped_gemm=shape.is_moe, qk_layernorm=True)
-    from megatron_gspo.model.spec import local_layer_spec
-
     return local_layer_spec(num_experts=shape.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
 
 

@@ -31,12 +31,17 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Iterable, Iterator, Literal, Protocol
 from urllib.parse import urlsplit
 
 import httpx
 import torch
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from megatron_gspo.rollout.server import auth_headers, free_port
 
@@ -150,8 +155,6 @@ def buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tup
 def write_hf_checkpoint(named_tensors: NamedTensors, out_dir: str | Path, config_dir: str | Path,
                         shard_bytes: int = 2 * 2**30) -> Path:
     """Save tensors as safetensors shards (+ index) and copy config/tokenizer files from config_dir."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("model*.safetensors*"):
@@ -195,9 +198,6 @@ class DiskSync:
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """base64 of a ForkingPickler dump, what /update_weights_from_tensor unpickles per TP rank."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as mp
     if not any(t.is_cuda for _, t in named):
         # CPU tensors travel as shared-memory files; the default (file descriptors) crashes the server.
         mp.set_sharing_strategy("file_system")
@@ -243,9 +243,6 @@ def _join_group(host: str, port: int, world_size: int, group_name: str, backend:
     TORCHELASTIC_USE_AGENT_STORE it only connects, expecting torchrun's agent to host the store, and
     every member of the group then waits for a server nobody started).
     """
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     store = TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     rank = 0
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),

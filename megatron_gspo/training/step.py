@@ -23,13 +23,11 @@ from typing import Literal, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_model_config
 
 from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
+from megatron_gspo.model.schedule import run_schedule
 from megatron_gspo.parallel.context_parallel import gather_from_cp
 from megatron_gspo.parallel.collectives import group_rank
 from megatron_gspo.parallel.groups import sequence_pad_multiple
@@ -104,19 +102,6 @@ def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_token
     """This DP rank's share of `responses` in micro-batches (equal ones under PP: uniform shapes)."""
     return pack_minibatch(responses, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=max_tokens,
                           pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1)
-
-
-def run_schedule(model, mini: PackedMiniBatch, forward_step, *, pgs: ProcessGroupCollection, forward_only: bool):
-    """Megatron's pipeline schedule for `model` over the micro-batches of `mini`, on the groups of `pgs`
-    (the schedule hands them on to config.finalize_model_grads_func as well)."""
-    config = get_model_config(model[0])
-    schedule = get_forward_backward_func(pp_size=pgs.pp.size(), vp_size=config.virtual_pipeline_model_parallel_size)
-    data = [iter(mini.micro_batches) for _ in model] if len(model) > 1 else iter(mini.micro_batches)
-    return schedule(
-        forward_step_func=forward_step, data_iterator=data, model=model,
-        num_microbatches=mini.num_microbatches, seq_length=mini.seq_length,
-        micro_batch_size=mini.micro_batch_size, forward_only=forward_only,
-        p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config), pg_collection=pgs)
 
 
 @torch.no_grad()
