@@ -317,12 +317,7 @@ class TrainConfig:
         if self.rollout.backend == "sglang":
             _check(self.model.hf_path is not None, "model.hf_path",
                    "is required with rollout.backend=sglang (SGLang serves Hugging Face weights)", None)
-        else:
-            _check(self.sampling.top_p == 1 or self.sampling.top_k >= 1, "sampling.top_p",
-                   "< 1 needs sampling.top_k >= 1 with rollout.backend=megatron (the nucleus is searched among "
-                   "the top-k tokens)", self.sampling.top_p)
-            _check(not self.sampling.stop, "sampling.stop", "is not supported by rollout.backend=megatron "
-                   "(stop token ids are)", self.sampling.stop)
+
         if self.checkpoint.export_hf is not None:
             _check(self.checkpoint.dir is not None, "checkpoint.export_hf",
                    "needs checkpoint.dir (the export converts the final checkpoint)", self.checkpoint.export_hf)

@@ -1,6 +1,6 @@
 """Rollout backends: where the G samples per prompt come from, behind one small interface.
 
-    backend = open_backend(config, model=policy.model, vocab_size=V, tokenizer=tok, pgs=pgs)
+    backend = open_backend(config, model=policy.model, vocab_size=V, tokenizer=tok, pgs=policy.pgs)
     groups, stats = await backend.generate(prompts)    # one list of G Samples per prompt, in order
     backend.sync_weights(named_tensors, version="7")   # the weights that sample next
     backend.close()
@@ -18,9 +18,11 @@ import contextlib
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from megatron_gspo.config import SamplingConfig, TrainConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_gspo.config import TrainConfig
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
-from megatron_gspo.rollout.megatron_backend import GenerationSettings, MegatronGenerator, stop_token_ids
+from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
 from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
 from megatron_gspo.types import Prompt, Sample
@@ -86,14 +88,14 @@ class MegatronBackend:
 
     collective = True
 
-    def __init__(self, config: TrainConfig, *, model: list, vocab_size: int, tokenizer):
+    def __init__(self, config: TrainConfig, *, model: list, vocab_size: int, tokenizer, pgs: ProcessGroupCollection):
         self.version = "0"
         """The weights that sample next: the rollout step after which they were synced."""
         self._generator = MegatronGenerator(
-            model, generation_settings(config.sampling, stop_token_ids(config.model.hf_path, tokenizer),
-                                       config.parallel.max_tokens_per_microbatch),
-            vocab_size=vocab_size, seed=config.seed,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            model, config.sampling, vocab_size=vocab_size, seed=config.seed,
+            stop_token_ids=stop_token_ids(config.model.hf_path, tokenizer),
+            max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), pgs=pgs)
         self._group_size = config.gspo.group_size
 
     async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
@@ -107,16 +109,9 @@ class MegatronBackend:
         pass
 
 
-def generation_settings(sampling: SamplingConfig, stop_ids: Sequence[int], max_tokens_per_microbatch: int
-                        ) -> GenerationSettings:
-    return GenerationSettings(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                              max_new_tokens=sampling.max_new_tokens,
-                              stop_token_ids=tuple(sorted({*stop_ids, *sampling.stop_token_ids})),
-                              max_tokens_per_microbatch=max_tokens_per_microbatch)
-
-
-def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer) -> RolloutBackend:
+def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer,
+                 pgs: ProcessGroupCollection) -> RolloutBackend:
     """The configured backend (rollout.backend). SGLang: call on rank 0 only; megatron: on every rank."""
     if config.rollout.backend == "megatron":
-        return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer)
+        return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer, pgs=pgs)
     return SGLangBackend(config)

@@ -1,6 +1,6 @@
 """In-process rollouts: the trainer's own Megatron model samples G responses per prompt.
 
-    generator = MegatronGenerator(model_chunks, settings, vocab_size=V, seed=seed, pgs=pgs)
+    generator = MegatronGenerator(model_chunks, sampling, stop_token_ids=eos_ids, vocab_size=V, seed=seed, pgs=pgs)
     groups, stats = generator.generate(prompts, n=G, weight_version="3")   # collective: every rank
 
 The same answer as the SGLang client (`rollout/client.py`): one list of G `Sample`s per prompt, in
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_gspo.config import SamplingConfig
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.model.schedule import run_schedule
@@ -58,36 +59,17 @@ from megatron_gspo.types import MicroBatch, Prompt, Sample
 _MASK32 = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Sampling settings (the SGLang client's SamplingParams, minus stop strings)."""
-
-    temperature: float = 1.0
-    """Logits are divided by it before sampling and before the log-prob."""
-    top_k: int = -1
-    """Sample among the k most likely tokens (-1: all)."""
-    top_p: float = 1.0
-    """Nucleus within the top-k: keep the most likely tokens while the probability mass before them
-    (full softmax, as SGLang's torch sampler) is <= top_p. Needs top_k >= 1 when < 1."""
-    max_new_tokens: int = 256
-    """Response length cap (finish_reason "length")."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end a response ("stop"); the stop token is part of the response, as in SGLang."""
-    max_tokens_per_microbatch: int = 8192
-    """Rows x padded length of one forward micro-batch."""
-
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_p < 1 and self.top_k < 1:
-            raise ValueError("top_p < 1 needs top_k >= 1 with the megatron backend "
-                             "(the nucleus is searched among the top-k tokens)")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+def check_sampling(sampling: SamplingConfig) -> None:
+    """What this sampler needs of the sampling settings (ValueError naming the setting otherwise).
+    preflight calls it for rollout.backend=megatron, before any work starts."""
+    if sampling.temperature <= 0:
+        raise ValueError(f"sampling.temperature must be > 0 with rollout.backend=megatron, got {sampling.temperature}")
+    if sampling.top_p < 1 and sampling.top_k < 1:
+        raise ValueError("sampling.top_p < 1 needs sampling.top_k >= 1 with rollout.backend=megatron (the nucleus "
+                         f"is searched among the top-k tokens), got top_p={sampling.top_p}")
+    if sampling.stop:
+        raise ValueError(f"sampling.stop is not supported by rollout.backend=megatron (stop token ids are), "
+                         f"got {sampling.stop!r}")
 
 
 # ---- counter-based Gumbel noise ------------------------------------------------------------------
@@ -129,7 +111,7 @@ def sample_keys(seed: int, version: str, rows: Sequence[tuple[int, int]], positi
 
 # ---- sampling from vocabulary-sharded logits -----------------------------------------------------
 
-def sample_from_sharded_logits(logits_BV: torch.Tensor, keys_B2: torch.Tensor, settings: GenerationSettings, *,
+def sample_from_sharded_logits(logits_BV: torch.Tensor, keys_B2: torch.Tensor, settings: SamplingConfig, *,
                                tp_group=None, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B] long, their log-probs [B] float32) sampled from this rank's vocab shard.
 
@@ -164,7 +146,7 @@ def _gumbel_argmax(perturbed_BV: torch.Tensor, ids_V: torch.Tensor, tp_group) ->
     return winner_B
 
 
-def _truncated_sample(x_BV, ids_V, keys_B2, settings: GenerationSettings, tp_group) -> torch.Tensor:
+def _truncated_sample(x_BV, ids_V, keys_B2, settings: SamplingConfig, tp_group) -> torch.Tensor:
     """Gumbel-max among the top-k (then top-p) tokens: only k candidates per TP rank are gathered."""
     k = min(settings.top_k, x_BV.shape[1])
     values_Bk, where_Bk = x_BV.topk(k, dim=1)
@@ -226,12 +208,19 @@ class _DecodeBatch:
 class MegatronGenerator:
     """Samples with the trainer's model chunks (this rank's, as build_model returns them)."""
 
-    def __init__(self, model: list, settings: GenerationSettings, *, vocab_size: int, seed: int,
+    def __init__(self, model: list, sampling: SamplingConfig, *, vocab_size: int, seed: int,
+                 stop_token_ids: Sequence[int] = (), max_tokens_per_microbatch: int = 8192,
                  decode: Callable[[list[int]], str] | None = None, pgs: ProcessGroupCollection | None = None):
+        check_sampling(sampling)
         self.model = model
         self.pgs = pgs if pgs is not None else model_process_groups(model)
         """The process groups (init_megatron's); by default those the model was built on."""
-        self.settings = settings
+        self.settings = sampling
+        self.stop_token_ids = tuple(sorted({*stop_token_ids, *sampling.stop_token_ids}))
+        """Token ids that end a response ("stop"), e.g. the model's EOS ids (stop_token_ids()); the stop token
+        is part of the response, as in SGLang."""
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        """Rows x padded length of one forward micro-batch."""
         self.vocab_size = vocab_size
         """True vocabulary size: Megatron's padded rows are never sampled."""
         self.seed = seed
@@ -258,7 +247,7 @@ class MegatronGenerator:
             for row, token, logprob in zip(active, tokens, logprobs):
                 row.response_ids.append(token)
                 row.logprobs.append(logprob)
-                if token in self.settings.stop_token_ids:
+                if token in self.stop_token_ids:
                     row.finish_reason = "stop"
                 elif len(row.response_ids) == self.settings.max_new_tokens:
                     row.finish_reason = "length"
@@ -274,7 +263,7 @@ class MegatronGenerator:
                     group_id=p.group_id, sample_index=index, prompt_ids=list(p.prompt_ids),
                     response_ids=response_ids, rollout_logprobs=logprobs, finish_reason=finish,
                     weight_version=weight_version, prompt=p.prompt, answer=p.answer,
-                    response_text=self.decode(_strip_stop(response_ids, self.settings.stop_token_ids))
+                    response_text=self.decode(_strip_stop(response_ids, self.stop_token_ids))
                     if self.decode else None)
         stats = RolloutStats(elapsed_s=time.monotonic() - start,
                              response_tokens=sum(len(s.response_ids) for g in groups for s in g))
@@ -304,7 +293,7 @@ class MegatronGenerator:
         multiple = sequence_pad_multiple(self.pgs)
         longest = max((len(r.prompt_ids) + len(r.response_ids) for r in active), default=1)
         seq_len = -(-longest // multiple) * multiple
-        per_mb = max(1, self.settings.max_tokens_per_microbatch // seq_len)
+        per_mb = max(1, self.max_tokens_per_microbatch // seq_len)
         count = torch.tensor([max(1, -(-len(active) // per_mb))])
         dist.all_reduce(count, op=dist.ReduceOp.MAX)  # expert parallelism: equal forwards everywhere
         num_mb = int(count.item())

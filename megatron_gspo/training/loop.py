@@ -117,7 +117,8 @@ def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest) -> Roll
                      config.seed)
     backend = None
     if config.rollout.backend == "megatron" or dist.get_rank() == 0:
-        backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size, tokenizer=tokenizer)
+        backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size, tokenizer=tokenizer,
+                               pgs=policy.pgs)
     return Rollout(backend, task, config.gspo, stop)
 
 

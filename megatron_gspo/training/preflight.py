@@ -7,6 +7,7 @@ from pathlib import Path
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.rollout.megatron_backend import check_sampling
 from megatron_gspo.tasks import TASKS
 
 
@@ -28,6 +29,8 @@ def preflight(config: TrainConfig) -> None:
         raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
     if config.rollout.task not in TASKS:
         raise ValueError(f"rollout.task must be one of {sorted(TASKS)}, got {config.rollout.task!r}")
+    if config.rollout.backend == "megatron":
+        check_sampling(config.sampling)
     if model.hf_path is None:
         raise ValueError("model.hf_path is required to train: the task's prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")

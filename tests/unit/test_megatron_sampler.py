@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.rollout.megatron_backend import (GenerationSettings, gumbel_noise, sample_from_sharded_logits,
-                                                    sample_keys)
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rollout.megatron_backend import (MegatronGenerator, check_sampling, gumbel_noise,
+                                                    sample_from_sharded_logits, sample_keys)
 
 
 def test_noise_of_a_vocab_shard_is_that_slice_of_the_full_vocab():
@@ -33,7 +34,7 @@ def test_noise_is_standard_gumbel():
 def test_sampled_frequencies_follow_the_tempered_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 9.0])  # id 5 is Megatron's padding: never sampled
     rows = 20000
-    settings = GenerationSettings(temperature=0.7)
+    settings = SamplingConfig(temperature=0.7)
     tokens, logprobs = sample_from_sharded_logits(logits.expand(rows, -1), sample_keys(3, "0", [(i, 0) for i in
                                                   range(rows)], 0), settings, vocab_size=5)
     expected = torch.softmax(logits[:5].double() / 0.7, 0)
@@ -47,21 +48,23 @@ def test_top_k_and_top_p_restrict_the_support_but_not_the_logprob():
     logits = torch.tensor([3.0, 2.9, 2.8, 0.0, -1.0, 1.0])  # softmax mass ~0.36, 0.33, 0.30, ...
     rows = 3000
     keys = sample_keys(5, "0", [(i, 0) for i in range(rows)], 0)
-    tokens, logprobs = sample_from_sharded_logits(logits.expand(rows, -1), keys, GenerationSettings(top_k=2))
+    tokens, logprobs = sample_from_sharded_logits(logits.expand(rows, -1), keys, SamplingConfig(top_k=2))
     assert set(tokens.tolist()) == {0, 1}
     # The log-prob is of the full tempered distribution (as SGLang reports it), not the truncated one.
     assert torch.allclose(logprobs.double(), torch.log_softmax(logits.double(), 0)[tokens], atol=1e-6)
     # top_p = 0.5 inside the top 4: mass before id 1 is ~0.36 <= 0.5, before id 2 ~0.69 > 0.5.
-    tokens, _ = sample_from_sharded_logits(logits.expand(rows, -1), keys, GenerationSettings(top_k=4, top_p=0.5))
+    tokens, _ = sample_from_sharded_logits(logits.expand(rows, -1), keys, SamplingConfig(top_k=4, top_p=0.5))
     assert set(tokens.tolist()) == {0, 1}
     # top_k=1 is greedy.
-    tokens, _ = sample_from_sharded_logits(logits.expand(rows, -1), keys, GenerationSettings(top_k=1))
+    tokens, _ = sample_from_sharded_logits(logits.expand(rows, -1), keys, SamplingConfig(top_k=1))
     assert set(tokens.tolist()) == {0}
 
 
 def test_settings_refuse_top_p_without_top_k():
-    with pytest.raises(ValueError, match="top_p < 1 needs top_k"):
-        GenerationSettings(top_p=0.9)
+    with pytest.raises(ValueError, match="top_p < 1 needs sampling.top_k"):
+        MegatronGenerator([], SamplingConfig(top_p=0.9), vocab_size=5, seed=0)
+    with pytest.raises(ValueError, match="sampling.temperature must be > 0"):
+        check_sampling(SamplingConfig(temperature=0.0))
 
 
 def test_config_errors_for_the_megatron_backend(tmp_path):
@@ -69,8 +72,7 @@ def test_config_errors_for_the_megatron_backend(tmp_path):
     from megatron_gspo.training.preflight import preflight
 
     with pytest.raises(ValueError, match="sampling.top_p < 1 needs sampling.top_k >= 1 with rollout.backend=megatron"):
-        load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9"])
-    load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9", "rollout.top_k=20"])
+        preflight(load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9"]))
     # A preset is a shape without a tokenizer: the task cannot encode its prompts.
     config = load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", f"logging.run_dir={tmp_path}"])
     with pytest.raises(ValueError, match="model.hf_path is required to train"):
