@@ -123,12 +123,12 @@ def _chunk_tokens(chunk_size, T, n_valid, device):
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Log-probs (1) and entropy (2) in one chunked pass over the shard; gradient (3)-(4) in another.
 
-    The logits are an input that the forward may overwrite (inplace=True, float32) and the backward
-    returns as the gradient (inplace=True), the way Megatron-Core's _VocabParallelCrossEntropy does:
-    no mark_dirty, which would let a Function that modifies a view (the logits often are one) return
-    only that view. The in-place writes still bump the logits' version counter, which is what makes
-    another op that saved them raise in its backward; a forward that leaves them as they are for now
-    (other dtypes) bumps it by hand for the same effect.
+    With inplace=True the forward may overwrite the logits (float32) and the backward returns them
+    as the gradient, the way Megatron-Core's _VocabParallelCrossEntropy does, without mark_dirty:
+    autograd lets a Function that marks a view dirty (the logits often are one) return only that
+    view, and this one returns log-probs and entropy. The in-place writes still bump the logits'
+    version counter, which is what makes another op that saved them raise in its backward; a forward
+    that leaves them as they are for now (other dtypes) bumps it by hand for the same effect.
     """
 
     @staticmethod
