@@ -269,6 +269,19 @@ def test_inplace_refuses_a_leaf_and_guards_other_saved_uses():
         (lp.sum() + squared.sum()).backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_counts_as_modifying_the_logits_in_the_forward(dtype):
+    # float32 logits are overwritten in the forward, bf16 ones only in the backward; either way the
+    # call counts as modifying them, so an op that saved them earlier raises even when its backward
+    # runs on its own, before the log-probs' one.
+    logits, targets, _, _ = make(dtype=dtype)
+    y = logits * 2
+    squared = y.pow(2)
+    vocab_parallel_logprobs(y, targets, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        squared.float().sum().backward()
+
+
 def test_inplace_without_grad_and_empty():
     logits, targets, _, _ = make()
     with torch.no_grad():
