@@ -14,8 +14,9 @@ python=${PYTHON:-python3}
 torch_req="torch==2.13.0"
 # 2. SGLang itself without its dependencies: `pip install sglang` is the full 11 GB CUDA stack.
 sglang_req="sglang==0.5.23"
-# 3. The pure-Python/CPU part of its dependencies that the server needs on CPU (measured set,
-#    ../shared/PLATFORM.md). Never add `cutlass`: an unrelated PyPI package that breaks start-up.
+# 3. The pure-Python/CPU part of its dependencies that the server needs on CPU (the set measured by
+#    starting a real server on CPU; tests/sglang/ do so). Never add `cutlass`: an unrelated PyPI package
+#    that breaks start-up.
 deps=(
   "transformers==5.19.0" "tokenizers==0.23.2" safetensors fastapi "uvicorn>=0.51" uvloop pyzmq
   msgspec orjson pybase64 psutil requests aiohttp setproctitle prometheus-client numpy pydantic

@@ -3,7 +3,7 @@
 The model is randomly initialised from a fixed seed; the tokenizer is a byte-level BPE trained on a
 synthetic arithmetic corpus ("12+7=19"). Both are written as a Hugging Face model directory that
 SGLang (`--model-path DIR`) and transformers (`AutoModelForCausalLM`, `AutoTokenizer`) load.
-Dense by default: SGLang's CPU backend gives NaN logits for Qwen3-MoE (../shared/PLATFORM.md).
+Dense by default: SGLang 0.5.23's CPU backend gives NaN logits for Qwen3-MoE (README.md, "Qwen3-MoE on CPU").
 `num_experts > 0` makes a Qwen3-MoE instead, for the in-process Megatron rollout backend.
 """
 from __future__ import annotations
