@@ -142,7 +142,11 @@ def test_aliases_reach_the_sampling_section(tmp_path):
                                 "sampling.stop_token_ids=3, 4"])
     assert (config.sampling.temperature, config.sampling.top_k, config.sampling.max_new_tokens) == (0.7, 5, 9)
     assert config.sampling.stop_token_ids == (3, 4)
-    assert load_config(TINY).sampling.max_new_tokens == 4   # tiny_cpu.yaml: rollout.max_new_tokens: 4
+    assert load_config(TINY).sampling.max_new_tokens == 4   # tiny_cpu.yaml: sampling.max_new_tokens: 4
+    path = tmp_path / "old.yaml"                             # YAML written with the older keys
+    path.write_text("model: {hf_path: x}\ngspo: {temperature: 0.5}\nrollout: {max_new_tokens: 7, top_p: 0.5}\n")
+    old = load_config(path)
+    assert (old.sampling.temperature, old.sampling.max_new_tokens, old.sampling.top_p) == (0.5, 7, 0.5)
     path = tmp_path / "c.yaml"
     path.write_text("model: {hf_path: x}\ngspo: {temperature: 0.5}\nsampling: {temperature: 0.6}\n")
     with pytest.raises(ValueError, match="gspo.temperature and sampling.temperature are the same setting"):
