@@ -6,7 +6,7 @@
 
 `generate` takes prompts from the task's stream at `position`, has the backend sample G responses per
 prompt, scores them with the task's verifier and (gspo.dynamic_sampling) rolls out more prompts until
-the batch holds gspo.prompts_per_step groups with signal (rollout/sampling.py). Rank 0's batch then
+the batch holds gspo.prompts_per_step groups with signal (rollout/batch_filling.py). Rank 0's batch then
 reaches every rank.
 
 Preemption lives here because this is where it is met: Slurm signals the rollout servers together with
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_gspo.config import GSPOConfig
 from megatron_gspo.rollout.backends import RolloutBackend
-from megatron_gspo.rollout.sampling import ScoredBatch, collect_scored_groups
+from megatron_gspo.rollout.batch_filling import ScoredBatch, collect_scored_groups
 from megatron_gspo.sync.sglang import NamedTensors
 
 
@@ -46,7 +46,7 @@ class RolloutBatch:
     """One rollout step's scored groups and what the step rolled out to find them."""
 
     scored: ScoredBatch
-    """prompts_per_step groups of G scored samples (rollout/sampling.py)."""
+    """prompts_per_step groups of G scored samples (rollout/batch_filling.py)."""
     next_position: int
     """The prompt stream's position after this batch (saved in checkpoints: resume continues there)."""
     elapsed_s: float

@@ -22,7 +22,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 
 METRIC_NAMES: dict[str, str] = {
-    # reward/: over every generated sample; *_trained over the groups that train (rollout/sampling.py)
+    # reward/: over every generated sample; *_trained over the groups that train (rollout/batch_filling.py)
     "reward_mean": "reward/mean",
     "reward_std": "reward/std",
     "reward_mean_trained": "reward/mean_trained",

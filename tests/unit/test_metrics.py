@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron_gspo.rollout.sampling import response_length_metrics
+from megatron_gspo.rollout.batch_filling import response_length_metrics
 from megatron_gspo.training.metrics import METRIC_NAMES, MetricsLogger, namespaced, plot, read_metrics
 
 
