@@ -1,0 +1,113 @@
+"""The rollout side of a step (rollout/manager.py): batches, weight sync, and what a stop signal changes.
+
+One process in a gloo world of one (the collectives are then identities): a fake backend stands in for
+SGLang or the in-process sampler.
+"""
+import types
+
+import pytest
+import torch.distributed as dist
+
+from megatron_gspo.config import GSPOConfig
+from megatron_gspo.rollout.client import RolloutError, RolloutStats
+from megatron_gspo.rollout.manager import Rollout
+from megatron_gspo.rollout.server import free_port
+from megatron_gspo.types import Prompt, Sample
+
+G = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Task:
+    """Prompt k is "k"; a response is right when its text is "1"."""
+
+    def prompts(self, start):
+        k = start
+        while True:
+            yield Prompt(group_id=k, prompt_ids=[k + 1])
+            k += 1
+
+    @staticmethod
+    def reward(sample):
+        return float(sample.response_text == "1")
+
+
+class Backend:
+    def __init__(self, collective=False, fail=None):
+        self.collective, self.fail = collective, fail
+        self.pushed = []
+
+    async def generate(self, prompts):
+        if self.fail:
+            raise self.fail
+        groups = [[Sample(group_id=p.group_id, sample_index=i, prompt_ids=p.prompt_ids, response_ids=[7],
+                          rollout_logprobs=[-0.5], finish_reason="stop", response_text=str(i), weight_version="3")
+                   for i in range(G)] for p in prompts]
+        return groups, RolloutStats(elapsed_s=1.0, response_tokens=len(prompts) * G)
+
+    def sync_weights(self, named_tensors, version):
+        if self.fail:
+            raise self.fail
+        self.pushed.append((version, [name for name, _ in named_tensors]))
+
+    def close(self):
+        pass
+
+
+def stop(signal_name=None):
+    return types.SimpleNamespace(signal_name=signal_name)
+
+
+GSPO = GSPOConfig(group_size=G, prompts_per_step=3, num_minibatches=1)
+
+
+def test_a_batch_from_the_stream_position_with_its_metrics():
+    batch = Rollout(Backend(), Task(), GSPO, stop()).generate(5)
+    assert [g[0].group_id for g in batch.scored.groups] == [5, 6, 7] and batch.next_position == 8
+    assert batch.scored.rewards == [0.0, 1.0] * 3
+    metrics = batch.metrics()
+    assert metrics["reward_mean"] == 0.5 and metrics["rollout_weight_version"] == "3"
+    assert metrics["rollout_tokens_per_s"] == 6.0 and metrics["response_length_mean"] == 1.0
+
+
+def test_a_failure_raises_unless_a_stop_signal_came_first():
+    broken = Backend(fail=RolloutError("server gone"))
+    with pytest.raises(RolloutError, match="server gone"):
+        Rollout(broken, Task(), GSPO, stop()).generate(0)
+    assert Rollout(broken, Task(), GSPO, stop("SIGTERM")).generate(0) is None  # interrupted, plainly
+    # the trained model as sampler has no servers that a signal could take down: always an error
+    with pytest.raises(RolloutError):
+        Rollout(Backend(collective=True, fail=RolloutError("bug")), Task(), GSPO, stop("SIGTERM")).generate(0)
+
+
+def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
+    walked = []
+
+    def export():
+        for name in ("a", "b", "c"):
+            walked.append(name)
+            yield name, None
+
+    backend = Backend()
+    assert Rollout(backend, Task(), GSPO, stop()).sync_weights(export, "4") is True
+    assert backend.pushed == [("4", ["a", "b", "c"])]
+    walked.clear()
+    assert Rollout(None, Task(), GSPO, stop()).sync_weights(export, "4") is True  # a rank without a backend
+    assert walked == ["a", "b", "c"]                                              # still walks the export
+    walked.clear()
+    broken = Rollout(Backend(fail=RuntimeError("refused")), Task(), GSPO, stop("SIGTERM"))
+    assert broken.sync_weights(export, "5") is False and walked == ["a", "b", "c"]
+    with pytest.raises(RuntimeError, match="refused"):
+        Rollout(Backend(fail=RuntimeError("refused")), Task(), GSPO, stop()).sync_weights(export, "5")
+    walked.clear()
+    assert Rollout(Backend(collective=True), Task(), GSPO, stop()).sync_weights(export, "6") is True
+    assert walked == []  # the trained model samples: nothing to export
