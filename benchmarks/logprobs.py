@@ -205,7 +205,7 @@ def worker(args):
 
 def main(args):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_gspo.parallel.launch import torchrun
+    from tests.torchrun import torchrun
 
     print(f"T={args.tokens} tokens, V={args.vocab} vocab, {args.dtype} logits, reps={args.reps} "
           f"(+1 warm-up), 1 thread per rank (OMP_NUM_THREADS=1), gloo, CPU", flush=True)

@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if "RANK" not in os.environ:  # not under torchrun: launch ourselves
-        from megatron_gspo.parallel.launch import torchrun
+        from tests.torchrun import torchrun
 
         try:
             out = torchrun(__file__, args.tp * args.pp * args.ep, *sys.argv[1:], timeout=3600)

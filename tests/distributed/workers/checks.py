@@ -20,11 +20,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import traceback
 from pathlib import Path
 
 TAG = "[checks]"
-_PASSED = re.compile(rf"^{re.escape(TAG)} rank (\d+): (\d+) checks passed$", re.MULTILINE)
+# Found anywhere in a line: another rank's unfinished line may precede a report.
+_PASSED = re.compile(rf"{re.escape(TAG)} rank (\d+): (\d+) checks passed$", re.MULTILINE)
+_FAILED = re.compile(rf"{re.escape(TAG)} (check .*)$", re.MULTILINE)
 _WORKERS = Path(__file__).resolve().parent
 _passed: list[str] = []
 
@@ -54,20 +57,27 @@ def check(name: str):
         text = f"{type(error).__name__}: {error}".strip().rstrip(":")
         message = f"check {name!r} failed on rank {_rank()}: {text}{_where(error)}"
         # One line in the output for the launcher; the full text in the traceback.
-        print(f"{TAG} {' | '.join(message.splitlines())[:2000]}", flush=True)
+        _report(f"{TAG} {' | '.join(message.splitlines())[:2000]}")
         raise CheckFailed(message) from error
     _passed.append(name)
 
 
 def done() -> None:
     """Report how many checks this rank passed (the test compares it with what it expects)."""
-    print(f"{TAG} rank {_rank()}: {len(_passed)} checks passed", flush=True)
+    _report(f"{TAG} rank {_rank()}: {len(_passed)} checks passed")
+
+
+def _report(line: str) -> None:
+    """One write of the line and its newline, under the pipe's atomic size: the ranks share the
+    launcher's output, and print() writes the newline separately, so lines of two ranks can interleave."""
+    sys.stdout.flush()
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def failures(output: str) -> list[str]:
     """The failed checks' messages in a launch's output, in order, each once."""
-    lines = (line.removeprefix(TAG).strip() for line in output.splitlines() if line.startswith(f"{TAG} check "))
-    return list(dict.fromkeys(lines))
+    return list(dict.fromkeys(_FAILED.findall(output)))
 
 
 def passed_counts(output: str) -> dict[int, int]:

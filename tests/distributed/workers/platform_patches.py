@@ -22,6 +22,8 @@ from megatron_gspo.platform.cpu import PATCHES, CudaLiteralsToCpu, apply_cpu_pat
 from megatron_gspo.training.forward_step import Groups, LossSettings, policy_forward_step
 from megatron_gspo.types import MicroBatch
 
+from checks import check, done
+
 LAYOUT = Layout(ep=2)
 
 
@@ -134,26 +136,32 @@ PROBES = {
 
 def main() -> None:
     init_megatron(LAYOUT)
-    assert set(PROBES) == {p.name for p in PATCHES}, "every patch needs a probe"
+    with check("every patch has a probe"):
+        assert set(PROBES) == {p.name for p in PATCHES}, "every patch needs a probe"
     for patch in PATCHES:
-        probe = PROBES[patch.name]
-        probe()
-        revert_cpu_patches((patch.name,))
-        try:
-            probe()
-        except Exception as e:  # the failure we expect without the patch
-            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        else:
-            raise AssertionError(f"probe {probe.__name__} passed without patch {patch.name}: "
-                                 f"the patch is not needed (or the probe does not reach {patch.upstream})")
-        finally:
-            apply_cpu_patches((patch.name,))
-        probe()  # and passes again (this also restores what the failed run left half done)
-        if dist.get_rank() == 0:
-            print(f"patch {patch.name:24s} needed: without it {failure}")
-    print(f"OK platform patches rank {dist.get_rank()}")
+        with check(f"patch {patch.name}: its probe passes with it and fails without it"):
+            check_patch(patch)
+    done()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_patch(patch) -> None:
+    probe = PROBES[patch.name]
+    probe()
+    revert_cpu_patches((patch.name,))
+    try:
+        probe()
+    except Exception as e:  # the failure we expect without the patch
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    else:
+        raise AssertionError(f"probe {probe.__name__} passed without patch {patch.name}: "
+                             f"the patch is not needed (or the probe does not reach {patch.upstream})")
+    finally:
+        apply_cpu_patches((patch.name,))
+    probe()  # and passes again (this also restores what the failed run left half done)
+    if dist.get_rank() == 0:
+        print(f"patch {patch.name:24s} needed: without it {failure}")
 
 
 if __name__ == "__main__":
