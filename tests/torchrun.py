@@ -27,7 +27,8 @@ def torchrun(script: str | os.PathLike, nproc: int, *args, timeout: float = 600)
     Raises LaunchFailed naming the failed checks (or carrying the worker's traceback when no check
     failed) when a rank fails or the run times out.
     """
-    what = f"{Path(script).name} x{nproc} {' '.join(map(str, args))}".strip()
+    __tracebackhide__ = True  # pytest: the failure names the check; this function's source adds nothing
+    what = _describe(script, nproc, args)
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(nproc), "--nnodes", "1",
@@ -44,28 +45,34 @@ def torchrun(script: str | os.PathLike, nproc: int, *args, timeout: float = 600)
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        raise LaunchFailed(f"{what} timed out after {timeout}s\n{_explain(out)}") from None
+        raise LaunchFailed(_explain(f"{what} timed out after {timeout}s", out)) from None
     if proc.returncode != 0:
-        raise LaunchFailed(f"{what} failed (exit {proc.returncode})\n{_explain(proc.stdout)}")
+        raise LaunchFailed(_explain(f"{what} failed (exit {proc.returncode})", proc.stdout))
     return proc.stdout
 
 
 def run_checks(script: str | os.PathLike, nproc: int, *args, checks: int, timeout: float = 600) -> str:
     """torchrun(), then require that every rank reported exactly `checks` passed checks; return the output."""
+    __tracebackhide__ = True
     out = torchrun(script, nproc, *args, timeout=timeout)
     counts = passed_counts(out)
     expected = dict.fromkeys(range(nproc), checks)
-    assert counts == expected, (f"{Path(script).name} x{nproc} {' '.join(map(str, args))}: checks passed "
-                                f"per rank {counts}, expected {expected}\n{out[-2000:]}")
+    assert counts == expected, (f"{_describe(script, nproc, args)} exited 0, but the checks passed per rank "
+                                f"are {counts}, expected {expected}")
     return out
 
 
-def _explain(output: str) -> str:
-    """The failed checks, one per line, or else the workers' own tracebacks."""
+def _describe(script, nproc: int, args) -> str:
+    return " ".join([Path(script).name, f"x{nproc}", *map(str, args)])
+
+
+def _explain(what: str, output: str) -> str:
+    """The failed checks, one per line, the first to fail first; or else what happened and the
+    workers' own tracebacks."""
     failed = failures(output)
-    if failed:
-        return "\n".join(failed)
-    return _worker_errors(output)
+    if failed:  # in the order they happened: later ones are often a peer's collective failing in turn
+        return "\n".join([failed[0], *(f"then {f}" for f in failed[1:]), f"({what})"])
+    return f"{what}\n{_worker_errors(output)}"
 
 
 def _worker_errors(output: str, limit: int = 8000) -> str:

@@ -5,11 +5,13 @@ at TP1; every layout loads it, recomputes old log-probs, and runs one GSPO step 
 log-probs must agree within 1e-5, and the loss, grad norm and parameter update must match the TP1
 reference (tests/distributed/workers/layouts.py has the checks).
 """
+from pathlib import Path
+
 import pytest
 
 from tests.torchrun import run_checks
 
-WORKER = "tests/distributed/workers/layouts.py"
+WORKER = Path(__file__).parent / "workers" / "layouts.py"
 
 # name: (processes, tp, pp, cp, ep, micro-batches per DP rank); the reference is TP1, 1 micro-batch.
 LAYOUTS = {

@@ -57,7 +57,7 @@ def check(name: str):
         text = f"{type(error).__name__}: {error}".strip().rstrip(":")
         message = f"check {name!r} failed on rank {_rank()}: {text}{_where(error)}"
         # One line in the output for the launcher; the full text in the traceback.
-        _report(f"{TAG} {' | '.join(message.splitlines())[:2000]}")
+        _report(f"{TAG} {' | '.join(line for line in message.splitlines() if line.strip())[:2000]}")
         raise CheckFailed(message) from error
     _passed.append(name)
 

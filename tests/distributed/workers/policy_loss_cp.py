@@ -87,8 +87,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     for algorithm in ("gspo", "gspo_token", "grpo"):
         for all_in_first_chunk in (False, True):
-            with check(f"{algorithm} with all response tokens in chunk 0={all_in_first_chunk} "
-                       f"matches one process"):
+            tokens = "all in chunk 0" if all_in_first_chunk else "spread"
+            with check(f"{algorithm}, response tokens {tokens}: matches one process"):
                 check_case(algorithm, all_in_first_chunk)
     done()
     dist.barrier()

@@ -70,7 +70,7 @@ def main():
                                          vocab_size=SHAPE.vocab_size), num_minibatches=K,
                             max_tokens_per_microbatch=64)
     if phase == "run":
-        run_and_crash(workdir, layout, settings)
+        run_and_crash(workdir, layout, settings)  # reports its checks and ends the process (os._exit)
     else:
         resume(workdir, layout, settings)
     done()
