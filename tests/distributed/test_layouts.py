@@ -5,11 +5,13 @@ at TP1; every layout loads it, recomputes old log-probs, and runs one GSPO step 
 log-probs must agree within 1e-5, and the loss, grad norm and parameter update must match the TP1
 reference (tests/distributed/workers/layouts.py has the checks).
 """
+from pathlib import Path
+
 import pytest
 
-from megatron_gspo.parallel.launch import torchrun
+from tests.torchrun import run_checks
 
-WORKER = "tests/distributed/workers/layouts.py"
+WORKER = Path(__file__).parent / "workers" / "layouts.py"
 
 # name: (processes, tp, pp, cp, ep, micro-batches per DP rank); the reference is TP1, 1 micro-batch.
 LAYOUTS = {
@@ -28,8 +30,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("layouts")
-    out = torchrun(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 1, timeout=300)
-    assert "OK reference" in out
+    run_checks(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 1, checks=1, timeout=300)
     return workdir
 
 
@@ -37,5 +38,4 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_tp1_reference(reference, name):
     nproc, *layout = LAYOUTS[name]
-    out = torchrun(WORKER, nproc, reference, name, *layout, timeout=300)
-    assert out.count(f"OK {name} rank") == nproc, out[-3000:]
+    run_checks(WORKER, nproc, reference, name, *layout, checks=5, timeout=300)

@@ -5,17 +5,14 @@ tests/distributed/workers/megatron_rollout.py runs the checks of one layout (inc
 one-process reference, log-probs against a float64 log_softmax of the model's logits and EOS cuts).
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_gspo.parallel.launch import torchrun
+from tests.tiny_hf import save_tiny
+from tests.torchrun import run_checks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_hf import save_tiny  # noqa: E402
-
-WORKER = "tests/distributed/workers/megatron_rollout.py"
+WORKER = Path(__file__).parent / "workers" / "megatron_rollout.py"
 LAYOUTS = {"tp2": (2, 1, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 2, 1, 1), "cp2": (1, 1, 1, 2)}  # TP PP EP CP
 
 
@@ -23,8 +20,8 @@ LAYOUTS = {"tp2": (2, 1, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 2, 1, 1), "cp2":
 def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron_rollout")
     save_tiny(path / "hf", "moe")
-    out = torchrun(WORKER, 1, path, "reference", 1, 1, 1, timeout=240)
-    assert "OK reference rank 0" in out, out[-3000:]
+    # the 4 checks of every layout, and the log-probs against the model's logits
+    run_checks(WORKER, 1, path, "reference", 1, 1, 1, checks=5, timeout=240)
     return path
 
 
@@ -40,8 +37,7 @@ def test_reference_logprobs_are_the_models(workdir):
 @pytest.mark.parametrize("name", ["tp2", "ep2", pytest.param("pp2", marks=pytest.mark.slow),
                                   pytest.param("cp2", marks=pytest.mark.slow)])
 def test_layout_samples_like_one_process(workdir, name):
-    out = torchrun(WORKER, 2, workdir, name, *LAYOUTS[name], timeout=240)
-    assert out.count(f"OK {name} rank") == 2, out[-3000:]
+    run_checks(WORKER, 2, workdir, name, *LAYOUTS[name], checks=4, timeout=240)
     reference = json.loads((workdir / "reference.json").read_text())
     result = json.loads((workdir / f"{name}.json").read_text())
     for run in ("a", "b", "c"):

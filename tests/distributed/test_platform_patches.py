@@ -1,10 +1,15 @@
 """Every CPU platform patch is needed (its probe fails without it) and sufficient (passes with it)."""
+from pathlib import Path
+
 import pytest
 
-from megatron_gspo.parallel.launch import torchrun
+from megatron_gspo.platform.cpu import PATCHES
+from tests.torchrun import run_checks
+
+WORKER = Path(__file__).parent / "workers" / "platform_patches.py"
 
 
 @pytest.mark.distributed
 def test_each_cpu_patch_is_needed_and_works():
-    out = torchrun("tests/distributed/workers/platform_patches.py", 2, timeout=300)
-    assert out.count("OK platform patches rank") == 2
+    # "every patch has a probe", then one check per patch
+    run_checks(WORKER, 2, checks=1 + len(PATCHES), timeout=300)

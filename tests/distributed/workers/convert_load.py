@@ -29,21 +29,25 @@ from megatron_gspo.convert.export import iter_hf_tensors
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.convert.safetensors_io import SafetensorsReader
 from megatron_gspo.model.gpt import build_model, transformer_config
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.config import ParallelConfig
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step
 from megatron_gspo.types import MicroBatch
+
+from checks import check, done
+from trainer_common import parallel_layout
 
 TOLERANCE = 1e-4
 
 
-def parse_layout(text: str) -> Layout:
+def parse_layout(text: str) -> ParallelConfig:
+    """"dp" (every rank data-parallel) or e.g. "tp2xep2"; dp takes the rest of the world."""
     if text == "dp":
-        return Layout()
-    sizes = {part[:2]: int(part[2:]) for part in text.split("x")}
-    return Layout(**sizes)
+        return parallel_layout()
+    return parallel_layout(**{part[:2]: int(part[2:]) for part in text.split("x")})
 
 
-def check(workdir: Path, kind: str, layout_name: str):
+def load_and_check(workdir: Path, kind: str, layout_name: str):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -67,32 +71,34 @@ def check(workdir: Path, kind: str, layout_name: str):
             data_iterator=iter([batch]), model=model, num_microbatches=1, seq_length=S,
             micro_batch_size=B, forward_only=True)
     report = ""
-    if ps.is_pipeline_last_stage():
-        logprobs = outputs[0]["logprobs"][:, :-1]
-        diff = (logprobs - ref["logprobs"]).abs()
-        agree = (logprobs.argmax(-1) == ref["logprobs"].argmax(-1)).float().mean().item()
-        assert diff.max() <= TOLERANCE, f"{where} log-probs differ from transformers by {diff.max():.2e}"
-        report = f" logprob max diff {diff.max():.2e} mean {diff.mean():.2e} over {diff.numel()} tokens"
+    with check(f"{kind}:{layout_name}: log-probs match transformers within {TOLERANCE}"):
+        if ps.is_pipeline_last_stage():
+            logprobs = outputs[0]["logprobs"][:, :-1]
+            diff = (logprobs - ref["logprobs"]).abs()
+            assert diff.max() <= TOLERANCE, f"{where} log-probs differ from transformers by {diff.max():.2e}"
+            report = f" logprob max diff {diff.max():.2e} mean {diff.mean():.2e} over {diff.numel()} tokens"
 
     hf = SafetensorsReader(workdir / kind / "hf")
     seen = set()
-    for name, tensor in iter_hf_tensors(model, shape):
-        expected = hf.read(name)
-        assert tensor.dtype == expected.dtype and tensor.shape == expected.shape and torch.equal(tensor, expected), \
-            f"{where} exported {name} differs from the HF checkpoint"
-        seen.add(name)
-    assert seen == set(hf.tensors), f"{where} exported names differ: {sorted(seen ^ set(hf.tensors))[:5]}"
-    # Only the last rank assembles (point to point); the others yield nothing.
-    last = dist.get_world_size() - 1
-    exported = dict(iter_hf_tensors(model, shape, dst=last))
-    if dist.get_rank() == last:
-        assert exported.keys() == hf.tensors.keys(), f"{where} dst export: names differ"
-        for name, tensor in exported.items():
-            assert tensor.dtype == hf.tensors[name].dtype and torch.equal(tensor, hf.read(name)), \
-                f"{where} dst export: {name} differs from the HF checkpoint"
-    else:
-        assert exported == {}, f"{where} a rank other than dst yielded {len(exported)} tensors"
-    print(f"OK {kind}:{layout_name} rank {dist.get_rank()} load + export of {len(seen)} tensors bitwise{report}")
+    with check(f"{kind}:{layout_name}: iter_hf_tensors gives back every HF tensor bitwise"):
+        for name, tensor in iter_hf_tensors(model, shape):
+            expected = hf.read(name)
+            assert tensor.dtype == expected.dtype and tensor.shape == expected.shape and torch.equal(tensor, expected), \
+                f"{where} exported {name} differs from the HF checkpoint"
+            seen.add(name)
+        assert seen == set(hf.tensors), f"{where} exported names differ: {sorted(seen ^ set(hf.tensors))[:5]}"
+    with check(f"{kind}:{layout_name}: iter_hf_tensors(dst=last rank) yields them on that rank only"):
+        # Only the last rank assembles (point to point); the others yield nothing.
+        last = dist.get_world_size() - 1
+        exported = dict(iter_hf_tensors(model, shape, dst=last))
+        if dist.get_rank() == last:
+            assert exported.keys() == hf.tensors.keys(), f"{where} dst export: names differ"
+            for name, tensor in exported.items():
+                assert tensor.dtype == hf.tensors[name].dtype and torch.equal(tensor, hf.read(name)), \
+                    f"{where} dst export: {name} differs from the HF checkpoint"
+        else:
+            assert exported == {}, f"{where} a rank other than dst yielded {len(exported)} tensors"
+    print(f"{where} load + export of {len(seen)} tensors bitwise{report}")
     return module
 
 
@@ -105,14 +111,15 @@ def resave_and_export(workdir: Path, kind: str, module, layout_name: str) -> Non
     dist.barrier()
     dist_checkpointing.save({"model": module.sharded_state_dict()}, str(out))
     dist.barrier()
-    if dist.get_rank() == 0:
-        exported = workdir / kind / f"exported_{layout_name}"
-        convert_mcore_to_hf(out, workdir / kind / "hf", exported, progress=False)
-        original, back = SafetensorsReader(workdir / kind / "hf"), SafetensorsReader(exported)
-        assert set(original.tensors) == set(back.tensors)
-        for name in original.tensors:
-            assert torch.equal(original.read(name), back.read(name)), f"re-exported {name} differs"
-        print(f"OK resave {kind} at {layout_name}: Megatron-saved checkpoint exports bitwise")
+    with check(f"{kind} resaved by Megatron at {layout_name}: convert_mcore_to_hf exports it bitwise"):
+        if dist.get_rank() == 0:
+            exported = workdir / kind / f"exported_{layout_name}"
+            convert_mcore_to_hf(out, workdir / kind / "hf", exported, progress=False)
+            original, back = SafetensorsReader(workdir / kind / "hf"), SafetensorsReader(exported)
+            assert set(original.tensors) == set(back.tensors)
+            for name in original.tensors:
+                assert torch.equal(original.read(name), back.read(name)), f"re-exported {name} differs"
+            print(f"resave {kind} at {layout_name}: Megatron-saved checkpoint exports bitwise")
     dist.barrier()
 
 
@@ -122,9 +129,11 @@ def parity(workdir: Path, kind: str, layout_name: str) -> None:
 
     report = check_parity(workdir / kind / "hf", workdir / kind / "mcore", parse_layout(layout_name),
                           seq_len=64)
-    if report is not None:
-        assert report.max_abs_diff <= TOLERANCE and report.argmax_agreement == 1.0, report
-        print(f"OK parity {kind}:{layout_name}: {report}")
+    with check(f"parity {kind}:{layout_name}: check_parity within {TOLERANCE}, every argmax agrees"):
+        if dist.get_rank() == 0:  # the report's rank
+            assert report is not None, "check_parity returned no report on rank 0"
+            assert report.max_abs_diff <= TOLERANCE and report.argmax_agreement == 1.0, report
+            print(f"parity {kind}:{layout_name}: {report}")
 
 
 def main() -> None:
@@ -136,7 +145,8 @@ def main() -> None:
             parity(workdir, *arg.removeprefix("parity=").split(":"))
         else:
             kind, layout_name = arg.split(":")
-            module = check(workdir, kind, layout_name)
+            module = load_and_check(workdir, kind, layout_name)
+    done()
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,8 @@ from megatron_gspo.model.spec import local_layer_spec  # noqa: E402
 from megatron_gspo.parallel.context_parallel import gather_from_cp, split_for_cp  # noqa: E402
 from megatron_gspo.parallel.cp_attention import ContextParallelDotProductAttention  # noqa: E402
 
+from checks import check, done  # noqa: E402
+
 SEQ, BATCH, HEAD_DIM = 16, 2, 8
 
 
@@ -86,6 +88,7 @@ def forward_backward(module, q, k, v, upstream, mask):
     return out.detach(), *(t.grad for t in leaves)
 
 
+@check("cp=1 equals DotProductAttention")
 def check_cp1_matches_megatron(tp_group, solo_cp_group):
     """At cp=1 the module is DotProductAttention: same values and grads, bit for bit."""
     config = attention_config(n_heads=4, n_groups=2, cp_size=1)
@@ -124,8 +127,9 @@ def check_attention_alone(cp_group, n_heads, n_groups, with_padding):
     want = [ref_out.detach(), *(t.grad for t in leaves)]
 
     case = f"cp={cp_size} np={n_heads} ng={n_groups} padding={with_padding}"
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")
+    with check(f"attention alone matches the full sequence, {case}"):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")
 
 
 def tiny_gpt(config: TransformerConfig, pg_collection=None) -> GPTModel:
@@ -154,9 +158,10 @@ def check_gpt_model(cp_group, solo_cp_group):
 
     # Rotary table: this rank must hold the angles of its own global positions.
     # (rotary_pos_emb is called with the full length, as GPTModel does: local length * cp.)
-    assert_close(model.rotary_pos_emb(SEQ),
-                 split_for_cp(reference.rotary_pos_emb(SEQ), cp_size, cp_rank, seq_dim=0),
-                 rtol=0, atol=0, msg=lambda m: f"cp={cp_size} rotary table slice: {m}")
+    with check("GPTModel: rotary table slice"):
+        assert_close(model.rotary_pos_emb(SEQ),
+                     split_for_cp(reference.rotary_pos_emb(SEQ), cp_size, cp_rank, seq_dim=0),
+                     rtol=0, atol=0, msg=lambda m: f"cp={cp_size} rotary table slice: {m}")
 
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=g)
@@ -169,19 +174,22 @@ def check_gpt_model(cp_group, solo_cp_group):
     ref_logits = reference(tokens, positions, attention_mask=None)
     (ref_logits * logit_weights).sum().backward()
 
-    assert_close(logits, split_for_cp(ref_logits, cp_size, cp_rank), rtol=1e-5, atol=1e-5,
-                 msg=lambda m: f"cp={cp_size} logits: {m}")
+    with check("GPTModel: logits match cp=1"):
+        assert_close(logits, split_for_cp(ref_logits, cp_size, cp_rank), rtol=1e-5, atol=1e-5,
+                     msg=lambda m: f"cp={cp_size} logits: {m}")
     ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        # Each rank saw part of the tokens; the weight gradient is the sum over CP ranks
-        # (what Megatron's DDP does over the dp x cp group).
-        grad = param.grad.clone()
-        dist.all_reduce(grad, group=cp_group)
-        want = ref_params[name].grad
-        assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
-                     msg=lambda m: f"cp={cp_size} grad {name}: {m}")
+    with check("GPTModel: parameter gradients summed over CP match cp=1"):
+        for name, param in model.named_parameters():
+            # Each rank saw part of the tokens; the weight gradient is the sum over CP ranks
+            # (what Megatron's DDP does over the dp x cp group).
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=cp_group)
+            want = ref_params[name].grad
+            assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                         msg=lambda m: f"cp={cp_size} grad {name}: {m}")
 
 
+@check("refuses packed sequences, dropout and a wrong CP size")
 def check_refusals(cp_size):
     config = attention_config(4, 2, cp_size)
     module = ContextParallelDotProductAttention(config, 1, AttnMaskType.causal, "self")
@@ -219,7 +227,7 @@ def main():
     check_refusals(world)
 
     dist.barrier()
-    print(f"rank {rank}: cp={world} checks passed", flush=True)
+    done()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

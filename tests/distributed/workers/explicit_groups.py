@@ -12,12 +12,11 @@ same call on an identical model built before the patch and must give the same nu
 explicit groups are the same groups, not just any groups.
 
 What honestly stays global in megatron-core 0.16.1 is listed in MEGATRON_GLOBALS, each with the
-upstream line that reads it; those reads (and only from there) keep working. Prints "OK <check>" per passed check and
-raises CheckFailed("<check>: ...") otherwise.
+upstream line that reads it; those reads (and only from there) keep working. Each check is a named check of
+workers/checks.py: a failure names it.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 
@@ -25,14 +24,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_gspo.config import SamplingConfig
 from megatron_gspo.model.presets import PRESETS
-from megatron_gspo.parallel.groups import Layout, init_megatron
-from megatron_gspo.rollout.megatron_backend import GenerationSettings, MegatronGenerator
+from megatron_gspo.parallel.groups import init_megatron
+from megatron_gspo.rollout.megatron_backend import MegatronGenerator
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
 from megatron_gspo.types import Prompt
 
-from trainer_common import synthetic_responses, tiny_model
+from checks import check, done
+from trainer_common import parallel_layout, synthetic_responses, tiny_model
 
 
 def _anywhere(caller) -> bool:
@@ -63,28 +64,8 @@ MEGATRON_GLOBALS = {
 }
 
 
-class CheckFailed(AssertionError):
-    pass
-
-
 class GlobalGroupRead(RuntimeError):
     pass
-
-
-def check(name: str, condition: bool, detail: str = "") -> None:
-    if not condition:
-        raise CheckFailed(f"{name}: {detail}")
-
-
-@contextlib.contextmanager
-def checking(name: str):
-    """Any failure inside (a forbidden getter read included) becomes CheckFailed naming the check."""
-    try:
-        yield
-    except CheckFailed:
-        raise
-    except Exception as e:
-        raise CheckFailed(f"{name}: {type(e).__name__}: {e}") from e
 
 
 def forbid_global_getters() -> list[str]:
@@ -133,54 +114,54 @@ def main() -> None:
     tp, pp, cp, ep = map(int, sys.argv[1:5])
     preset = "tiny_moe" if sys.argv[5] == "moe" else "tiny_dense"
     shape = PRESETS[preset]
-    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1)
     loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
     settings = StepSettings(loss, num_minibatches=2, old_logprobs="recompute", max_tokens_per_microbatch=64)
     responses = synthetic_responses(seed=3, n=16)
-    generation = GenerationSettings(temperature=1.0, top_k=20, max_new_tokens=4, max_tokens_per_microbatch=64)
+    generation = SamplingConfig(temperature=1.0, top_k=20, max_new_tokens=4)
 
     # Two identical models (same seed); the reference runs while the globals still work.
     reference, ref_optimizer, ref_scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
     model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
-    ref_generator = MegatronGenerator(reference, generation, vocab_size=shape.vocab_size, seed=11, pgs=pgs)
-    generator = MegatronGenerator(model, generation, vocab_size=shape.vocab_size, seed=11, pgs=pgs)
+    ref_generator = MegatronGenerator(reference, generation, vocab_size=shape.vocab_size, seed=11,
+                                      max_tokens_per_microbatch=64, pgs=pgs)
+    generator = MegatronGenerator(model, generation, vocab_size=shape.vocab_size, seed=11,
+                                  max_tokens_per_microbatch=64, pgs=pgs)
     expected_records = train_on_batch(reference, ref_optimizer, responses, settings, pgs=pgs, scheduler=ref_scheduler)
     expected_logprobs = compute_logprobs(reference, responses, loss, pgs=pgs)
     expected_groups, _ = ref_generator.generate(prompts(shape.vocab_size), n=2, weight_version="1")
 
     forbidden = forbid_global_getters()
     say(f"{len(forbidden)} parallel_state getters raise from here on")
-    try:
-        parallel_state.get_tensor_model_parallel_group()
-    except GlobalGroupRead:
-        pass
-    else:
-        raise CheckFailed("getters forbidden: parallel_state.get_tensor_model_parallel_group still works")
-    say("OK getters forbidden")
+    with check("getters forbidden"):
+        try:
+            parallel_state.get_tensor_model_parallel_group()
+        except GlobalGroupRead:
+            pass
+        else:
+            raise AssertionError("parallel_state.get_tensor_model_parallel_group still works")
 
-    with checking("train step"):
+    with check("train step"):
         records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, scheduler=scheduler)
-    check("train step", len(records) == 2, f"{len(records)} records")
-    check("train step", records[0]["ratio_min"] == records[0]["ratio_max"] == 1.0, f"{records[0]}")
-    for got, want in zip(records, expected_records):
-        for key in ("loss", "grad_norm", "ratio_min", "ratio_max", "entropy", "clipped_fraction_seq"):
-            check("train step", got[key] == want[key], f"{key} {got[key]!r} vs {want[key]!r} with global groups")
-    say(f"OK train step: loss {records[0]['loss']:.6f} {records[1]['loss']:.6f}, "
+        assert len(records) == 2, f"{len(records)} records"
+        assert records[0]["ratio_min"] == records[0]["ratio_max"] == 1.0, records[0]
+        for got, want in zip(records, expected_records):
+            for key in ("loss", "grad_norm", "ratio_min", "ratio_max", "entropy", "clipped_fraction_seq"):
+                assert got[key] == want[key], f"{key} {got[key]!r} vs {want[key]!r} with global groups"
+    say(f"train step: loss {records[0]['loss']:.6f} {records[1]['loss']:.6f}, "
         f"grad norm {records[0]['grad_norm']:.6f}, as with the global groups")
 
-    with checking("compute_logprobs"):
+    with check("compute_logprobs"):
         logprobs = compute_logprobs(model, responses, loss, pgs=pgs)
-    check("compute_logprobs", logprobs == expected_logprobs, "log-probs differ from the global-groups run")
-    say(f"OK compute_logprobs: {sum(map(len, logprobs))} tokens, as with the global groups")
+        assert logprobs == expected_logprobs, "log-probs differ from the global-groups run"
 
-    with checking("generate"):
+    with check("generate"):
         groups, _ = generator.generate(prompts(shape.vocab_size), n=2, weight_version="1")
-    got = [[(s.response_ids, s.rollout_logprobs) for s in g] for g in groups]
-    want = [[(s.response_ids, s.rollout_logprobs) for s in g] for g in expected_groups]
-    check("generate", got == want, f"{got} vs {want}")
-    say(f"OK generate: {sum(len(s.response_ids) for g in groups for s in g)} tokens, as with the global groups")
-
+        got = [[(s.response_ids, s.rollout_logprobs) for s in g] for g in groups]
+        want = [[(s.response_ids, s.rollout_logprobs) for s in g] for g in expected_groups]
+        assert got == want, f"{got} vs {want}"
+    done()
 
 if __name__ == "__main__":
     main()

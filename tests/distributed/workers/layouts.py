@@ -13,18 +13,26 @@ SGD without momentum makes the update proportional to the gradient, so a mis-sca
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state as ps
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_gspo.config import ParallelConfig
 from megatron_gspo.loss.advantages import group_advantages
-from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
+from megatron_gspo.model.gpt import TINY_MOE, build_model, model_process_groups, transformer_config
 from megatron_gspo.parallel.context_parallel import gather_from_cp
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import (LossSettings, logprobs_forward_step,
                                                  policy_forward_step)
 from megatron_gspo.types import MicroBatch
+
+from checks import check, done
+from trainer_common import parallel_layout
 
 B, S, G = 8, 32, 4
 # Per-sequence shift of the old log-probs: log s_i = -shift_i. Inside the band (|.| <= 1e-4) or well
@@ -52,14 +60,20 @@ def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
     tp, pp, cp, ep, num_mb = map(int, sys.argv[3:8])
     algorithm = sys.argv[8] if len(sys.argv) > 8 else "gspo"
-    layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1234)
-    from megatron.core import dist_checkpointing, parallel_state as ps
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    model, module, init_params = load_model(workdir, name, layout, pgs)
+    step = gspo_step(model, cp, num_mb, algorithm)
+    if name == "reference":
+        save_reference(workdir, module, step)
+    else:
+        compare_with_reference(workdir, name, layout, module, init_params, step)
+    done()
 
-    config = transformer_config(TINY_MOE, layout)
-    model = build_model(TINY_MOE, config, pgs=pgs)
+
+def load_model(workdir: Path, name: str, layout: ParallelConfig, pgs):
+    """The tiny MoE in `layout`: saved to WORKDIR/init by the reference, loaded from it by the others."""
+    model = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), pgs=pgs)
     (module,) = [chunk.module for chunk in model]
     if name == "reference":
         (workdir / "init").mkdir()
@@ -67,14 +81,29 @@ def main() -> None:
     else:
         module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
     init_params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return model, module, init_params
+
+
+@dataclass
+class StepResult:
+    logprobs: torch.Tensor  # [rows, S] of this DP rank (zeros off the last pipeline stage)
+    loss: torch.Tensor      # float64, the global batch's
+    clipped: torch.Tensor   # float64, sequences clipped in the global batch
+    grad_norm: float
+    mine: slice             # this DP rank's rows of the global batch
+    last_stage: bool
+
+
+def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
+    """Recompute old log-probs (forward only), then one GSPO step with SGD (lr 1, no momentum)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
-
     tokens, labels, loss_mask, advantages = global_batch(TINY_MOE.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = B // dp
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
     mb_rows = rows // num_mb
+    pgs = model_process_groups(model)
     settings = LossSettings(algorithm=algorithm, vocab_size=TINY_MOE.vocab_size)
     last_stage = ps.is_pipeline_last_stage()
 
@@ -109,28 +138,48 @@ def main() -> None:
         dist.all_reduce(loss, group=dp_cp)
         dist.all_reduce(clipped, group=dp_cp)
     loss /= B
+    return StepResult(logprobs, loss, clipped, grad_norm, mine, last_stage)
 
-    if name == "reference":
-        assert 0 < clipped < B, f"the reference batch must clip some sequences, clipped {clipped}"
-        torch.save({"logprobs": logprobs, "loss": loss, "grad_norm": grad_norm, "clipped": clipped},
-                   workdir / "reference.pt")
-        (workdir / "after").mkdir()
-        dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "after"))
-        print(f"OK reference loss={loss.item():.8f} grad_norm={grad_norm:.6f} clipped={clipped.item()}")
-        return
 
+def save_reference(workdir: Path, module, step: StepResult) -> None:
+    with check("the reference batch clips some sequences"):
+        assert 0 < step.clipped < B, f"the reference batch must clip some sequences, clipped {step.clipped}"
+    torch.save({"logprobs": step.logprobs, "loss": step.loss, "grad_norm": step.grad_norm, "clipped": step.clipped},
+               workdir / "reference.pt")
+    (workdir / "after").mkdir()
+    dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "after"))
+    print(f"reference loss={step.loss.item():.8f} grad_norm={step.grad_norm:.6f} clipped={step.clipped.item()}")
+
+
+def compare_with_reference(workdir: Path, name: str, layout: ParallelConfig, module, init_params, step: StepResult):
     ref = torch.load(workdir / "reference.pt")
     where = f"[{name} rank {dist.get_rank()}]"
-    if last_stage:
-        err = (logprobs - ref["logprobs"][mine]).abs().max().item()
-        assert err <= 1e-5, f"{where} per-token log-probs differ by {err:.2e}"
-        assert torch.isclose(loss, ref["loss"], rtol=1e-5, atol=1e-8), f"{where} loss {loss} vs {ref['loss']}"
-        assert clipped == ref["clipped"], f"{where} clipped {clipped} vs {ref['clipped']}"
-    assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], \
-        f"{where} grad norm {grad_norm} vs {ref['grad_norm']}"
+    # Log-probs, loss and clip counts exist on the last pipeline stage only.
+    with check("per-token log-probs match the reference"):
+        if step.last_stage:
+            err = (step.logprobs - ref["logprobs"][step.mine]).abs().max().item()
+            assert err <= 1e-5, f"{where} per-token log-probs differ by {err:.2e}"
+    with check("loss matches the reference"):
+        if step.last_stage:
+            assert torch.isclose(step.loss, ref["loss"], rtol=1e-5, atol=1e-8), \
+                f"{where} loss {step.loss} vs {ref['loss']}"
+    with check("clipped sequences match the reference"):
+        if step.last_stage:
+            assert step.clipped == ref["clipped"], f"{where} clipped {step.clipped} vs {ref['clipped']}"
+    with check("grad norm matches the reference"):
+        assert abs(step.grad_norm - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], \
+            f"{where} grad norm {step.grad_norm} vs {ref['grad_norm']}"
+    with check("parameter update matches the reference"):
+        worst = check_update(workdir, layout, module, init_params, where)
+    print(f"{where} logprobs/loss/grad-norm/update match (loss={step.loss.item():.8f}, "
+          f"grad_norm={step.grad_norm:.6f}, worst relative update error {worst:.1e})")
 
+
+def check_update(workdir: Path, layout: ParallelConfig, module, init_params, where: str) -> float:
+    """Every parameter moved as the reference's did (WORKDIR/after resharded into this layout)."""
     # A fresh config: the trained model's now holds schedule hooks bound to its DDP wrappers.
-    reference_after = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), pgs=pgs, wrap_ddp=False)[0]
+    reference_after = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), pgs=model_process_groups([module]),
+                                  wrap_ddp=False)[0]
     reference_after.load_state_dict(
         dist_checkpointing.load(reference_after.sharded_state_dict(), str(workdir / "after")))
     ref_params = dict(reference_after.named_parameters())
@@ -141,8 +190,7 @@ def main() -> None:
         err = (update - ref_update).abs().max().item()
         assert err <= 1e-4 * scale + 1e-7, f"{where} update of {n} differs by {err:.2e} (scale {scale:.2e})"
         worst = max(worst, err / max(scale, 1e-12))
-    print(f"OK {name} rank {dist.get_rank()} logprobs/loss/grad-norm/update match "
-          f"(loss={loss.item():.8f}, grad_norm={grad_norm:.6f}, worst relative update error {worst:.1e})")
+    return worst
 
 
 if __name__ == "__main__":

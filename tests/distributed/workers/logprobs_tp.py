@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 
+from checks import check, done
+
 T, V = 29, 24  # tokens; vocab shard per rank
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -52,7 +54,7 @@ def cases(tp):
             yield vocab_size, temperature, chunk_size, with_entropy
 
 
-def check(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter, inplace=False):
+def check_case(tp, rank, vocab_size, temperature, chunk_size, with_entropy, counter, inplace=False):
     n_ids = vocab_size or V * tp
     g = torch.Generator().manual_seed(n_ids * 100 + (chunk_size or 0))
     full_logits = torch.randn(T, V * tp, generator=g, dtype=torch.float64) * 4
@@ -106,21 +108,26 @@ def main():
     counter = CollectiveCounter()
     errors, diffs = [], [0.0, 0.0, 0.0]  # inplace vs copy: max |d logprob|, |d entropy|, |d grad|
     for case in cases(tp):
-        err, (lp, h, grad) = check(tp, rank, *case, counter)
-        err_in, (lp_in, h_in, grad_in) = check(tp, rank, *case, counter, inplace=True)
+        name = "vocab_size={} temperature={} chunk_size={} with_entropy={}".format(*case)
+        with check(f"{name}: matches the float64 reference"):
+            err, (lp, h, grad) = check_case(tp, rank, *case, counter)
+        with check(f"{name}: inplace=True matches the float64 reference"):
+            err_in, (lp_in, h_in, grad_in) = check_case(tp, rank, *case, counter, inplace=True)
         errors += [err, err_in]
-        what = f"tp={tp} rank={rank} case={case}: inplace vs copy"
-        torch.testing.assert_close(lp_in, lp, atol=0, rtol=0, msg=lambda m: f"{what}: logprobs {m}")
-        if h is not None:
-            torch.testing.assert_close(h_in.detach(), h.detach(), atol=0, rtol=0,
-                                       msg=lambda m: f"{what}: entropy {m}")
-            diffs[1] = max(diffs[1], (h_in.detach() - h.detach()).abs().max().item())
-        torch.testing.assert_close(grad_in, grad, atol=1e-7, rtol=1e-6, msg=lambda m: f"{what}: grad {m}")
-        diffs[0] = max(diffs[0], (lp_in - lp).abs().max().item())
-        diffs[2] = max(diffs[2], (grad_in - grad).abs().max().item())
-    print(f"OK logprobs tp={tp} rank={rank}: {len(errors)} cases, max |logprob error| {max(errors):.1e}; "
+        with check(f"{name}: inplace=True equals inplace=False"):
+            what = f"tp={tp} rank={rank} case={case}: inplace vs copy"
+            torch.testing.assert_close(lp_in, lp, atol=0, rtol=0, msg=lambda m: f"{what}: logprobs {m}")
+            if h is not None:
+                torch.testing.assert_close(h_in.detach(), h.detach(), atol=0, rtol=0,
+                                           msg=lambda m: f"{what}: entropy {m}")
+                diffs[1] = max(diffs[1], (h_in.detach() - h.detach()).abs().max().item())
+            torch.testing.assert_close(grad_in, grad, atol=1e-7, rtol=1e-6, msg=lambda m: f"{what}: grad {m}")
+            diffs[0] = max(diffs[0], (lp_in - lp).abs().max().item())
+            diffs[2] = max(diffs[2], (grad_in - grad).abs().max().item())
+    print(f"logprobs tp={tp} rank={rank}: {len(errors)} cases, max |logprob error| {max(errors):.1e}; "
           f"inplace vs copy max |diff| logprob {diffs[0]:.1e} entropy {diffs[1]:.1e} grad {diffs[2]:.1e}",
           flush=True)
+    done()
     dist.destroy_process_group()
 
 

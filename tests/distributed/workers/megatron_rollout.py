@@ -22,12 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.config import GSPOConfig, ModelConfig, ParallelConfig, RolloutConfig, TrainConfig
+from megatron_gspo.config import GSPOConfig, ModelConfig, ParallelConfig, RolloutConfig, SamplingConfig, TrainConfig
+from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.megatron_backend import GenerationSettings, MegatronGenerator
+from megatron_gspo.rollout.megatron_backend import MegatronGenerator
 from megatron_gspo.training.setup import build_policy
 from megatron_gspo.types import Prompt
+
+from checks import check, done
 
 TEMPERATURE, VOCAB, N = 0.8, 300, 3
 
@@ -79,18 +82,18 @@ def main() -> None:
                          parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, dp=world // (tp * pp * cp)),
                          gspo=GSPOConfig(group_size=N, prompts_per_step=5, num_minibatches=1),
                          rollout=RolloutConfig(backend="megatron"), seed=99, num_steps=1)
-    pgs = init_megatron(config.parallel.layout, seed=config.seed)
+    pgs = init_megatron(config.parallel, seed=config.seed)
     rank = dist.get_rank()
     if name == "reference" and rank == 0:
-        from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
         convert_hf_to_mcore(workdir / "hf", workdir / "mcore", progress=False)
     dist.barrier()
     policy = build_policy(config, pgs)
     load_weights(policy.model, workdir / "mcore")
 
     def run(**kw):
-        settings = GenerationSettings(temperature=TEMPERATURE, max_new_tokens=6, max_tokens_per_microbatch=64, **kw)
-        generator = MegatronGenerator(policy.model, settings, vocab_size=VOCAB, seed=config.seed, pgs=pgs)
+        sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=6, **kw)
+        generator = MegatronGenerator(policy.model, sampling, vocab_size=VOCAB, seed=config.seed,
+                                      max_tokens_per_microbatch=64, pgs=pgs)
         groups, stats = generator.generate(prompts(), n=N, weight_version="7")
         return groups, stats
 
@@ -100,22 +103,27 @@ def main() -> None:
     c, _ = run(stop_token_ids=(stop,))
     result = {"a": as_plain(a), "b": as_plain(b), "c": as_plain(c), "stop": stop,
               "tokens_per_s": stats.tokens_per_s}
-    assert all(len(g) == N and [s.sample_index for s in g] == list(range(N)) for g in a)
-    assert all(s.weight_version == "7" and len(s.response_ids) == 6 for g in a for s in g)
-    check_stop_cut(result["a"], result["c"], stop)
-    assert any(r[2] == "stop" for g in result["c"] for r in g), "the stop token ended no response"
-
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {k: result[k] for k in ("a", "b", "c")})
-    assert all(other == everyone[0] for other in everyone), "ranks disagree on the samples"
+    with check("N samples per prompt, indexed 0..N-1"):
+        assert all(len(g) == N and [s.sample_index for s in g] == list(range(N)) for g in a)
+    with check("every sample has the weight version and max_new_tokens tokens"):
+        assert all(s.weight_version == "7" and len(s.response_ids) == 6 for g in a for s in g)
+    with check("a stop token cuts the samples right after it"):
+        check_stop_cut(result["a"], result["c"], stop)
+        assert any(r[2] == "stop" for g in result["c"] for r in g), "the stop token ended no response"
+    with check("every rank holds the same samples"):
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: result[k] for k in ("a", "b", "c")})
+        assert all(other == everyone[0] for other in everyone), "ranks disagree on the samples"
     if name == "reference":
-        model = policy.model[0].module
-        result["max_abs_logprob_error"] = max(check_against_full_logits(model, a),
-                                              check_against_full_logits(model, b, top_k=20))
-        assert result["max_abs_logprob_error"] < 1e-5, result["max_abs_logprob_error"]
+        with check("rollout log-probs are the model's (float64 log_softmax), top-k respected"):
+            model = policy.model[0].module
+            result["max_abs_logprob_error"] = max(check_against_full_logits(model, a),
+                                                  check_against_full_logits(model, b, top_k=20))
+            assert result["max_abs_logprob_error"] < 1e-5, result["max_abs_logprob_error"]
     if rank == 0:
         (workdir / f"{name}.json").write_text(json.dumps(result))
-    print(f"OK {name} rank {rank} {stats.tokens_per_s:.0f} tokens/s", flush=True)
+    print(f"{name} rank {rank} {stats.tokens_per_s:.0f} tokens/s", flush=True)
+    done()
     dist.barrier()
     dist.destroy_process_group()
 

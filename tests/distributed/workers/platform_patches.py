@@ -19,12 +19,15 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.model.gpt import TINY_MOE, build_model, model_process_groups, transformer_config
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.config import ParallelConfig
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.platform.cpu import PATCHES, CudaLiteralsToCpu, apply_cpu_patches, revert_cpu_patches
 from megatron_gspo.training.forward_step import LossSettings, policy_forward_step
 from megatron_gspo.types import MicroBatch
 
-LAYOUT = Layout(ep=2)
+from checks import check, done
+
+LAYOUT = ParallelConfig(ep=2, dp=2)  # the 2 processes of tests/distributed/test_platform_patches.py
 
 
 def train_step() -> None:
@@ -70,7 +73,7 @@ def stock_attention_causal() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     dense = dataclasses.replace(TINY_MOE, num_experts=None, moe_ffn_hidden_size=None)
-    config = transformer_config(dense, Layout())
+    config = transformer_config(dense, ParallelConfig())
     attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                     attention_type="self")
     heads, groups, dim = TINY_MOE.num_attention_heads, TINY_MOE.num_query_groups, TINY_MOE.head_dim
@@ -98,7 +101,7 @@ def tied_embeddings_across_stages() -> None:
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        build_model(dense, transformer_config(dense, Layout(pp=2)), pgs=ProcessGroupCollection.use_mpu_process_groups(),
+        build_model(dense, transformer_config(dense, ParallelConfig(pp=2)), pgs=ProcessGroupCollection.use_mpu_process_groups(),
                     wrap_ddp=False)
     finally:
         ps.destroy_model_parallel()
@@ -137,26 +140,32 @@ PROBES = {
 
 def main() -> None:
     init_megatron(LAYOUT)
-    assert set(PROBES) == {p.name for p in PATCHES}, "every patch needs a probe"
+    with check("every patch has a probe"):
+        assert set(PROBES) == {p.name for p in PATCHES}, "every patch needs a probe"
     for patch in PATCHES:
-        probe = PROBES[patch.name]
-        probe()
-        revert_cpu_patches((patch.name,))
-        try:
-            probe()
-        except Exception as e:  # the failure we expect without the patch
-            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        else:
-            raise AssertionError(f"probe {probe.__name__} passed without patch {patch.name}: "
-                                 f"the patch is not needed (or the probe does not reach {patch.upstream})")
-        finally:
-            apply_cpu_patches((patch.name,))
-        probe()  # and passes again (this also restores what the failed run left half done)
-        if dist.get_rank() == 0:
-            print(f"patch {patch.name:24s} needed: without it {failure}")
-    print(f"OK platform patches rank {dist.get_rank()}")
+        with check(f"patch {patch.name}: its probe passes with it and fails without it"):
+            check_patch(patch)
+    done()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_patch(patch) -> None:
+    probe = PROBES[patch.name]
+    probe()
+    revert_cpu_patches((patch.name,))
+    try:
+        probe()
+    except Exception as e:  # the failure we expect without the patch
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    else:
+        raise AssertionError(f"probe {probe.__name__} passed without patch {patch.name}: "
+                             f"the patch is not needed (or the probe does not reach {patch.upstream})")
+    finally:
+        apply_cpu_patches((patch.name,))
+    probe()  # and passes again (this also restores what the failed run left half done)
+    if dist.get_rank() == 0:
+        print(f"patch {patch.name:24s} needed: without it {failure}")
 
 
 if __name__ == "__main__":

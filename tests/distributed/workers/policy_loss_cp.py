@@ -16,6 +16,8 @@ import torch.distributed as dist
 from megatron_gspo.loss.policy import policy_loss, reduce_metrics
 from megatron_gspo.parallel.context_parallel import split_for_cp
 
+from checks import check, done
+
 B, S = 6, 16
 CLIP = dict(eps_low=3e-4, eps_high=4e-4)  # GSPO's band for every algorithm, so GRPO clips too
 
@@ -40,7 +42,7 @@ def batch(all_in_first_chunk: bool):
     return logprobs.float(), old.float(), mask, advantages
 
 
-def check(algorithm: str, all_in_first_chunk: bool) -> None:
+def check_case(algorithm: str, all_in_first_chunk: bool) -> None:
     cp, rank = dist.get_world_size(), dist.get_rank()
     logprobs, old, mask, advantages = batch(all_in_first_chunk)
     per_token = algorithm == "gspo_token"
@@ -85,8 +87,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     for algorithm in ("gspo", "gspo_token", "grpo"):
         for all_in_first_chunk in (False, True):
-            check(algorithm, all_in_first_chunk)
-    print(f"OK policy_loss cp={dist.get_world_size()} rank {dist.get_rank()}")
+            tokens = "all in chunk 0" if all_in_first_chunk else "spread"
+            with check(f"{algorithm}, response tokens {tokens}: matches one process"):
+                check_case(algorithm, all_in_first_chunk)
+    done()
     dist.barrier()
     dist.destroy_process_group()  # without it gloo can abort at exit ("terminate called ...")
 

@@ -20,14 +20,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.convert.load import load_weights
+from megatron_gspo.config import ParallelConfig
 from megatron_gspo.model.gpt import model_process_groups
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.checkpoint import (TrainerState, complete_iterations, find_latest,
                                                load_checkpoint, save_checkpoint)
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.step import StepSettings, train_on_batch
 
-from trainer_common import SHAPE, params, synthetic_responses, tiny_model
+from checks import check, done
+from trainer_common import SHAPE, parallel_layout, params, synthetic_responses, tiny_model
 
 STEPS, K, GROUP = 4, 2, 4
 DISTRIBUTED_OPTIMIZER = sys.argv[4:5] == ["distopt"]
@@ -64,57 +67,73 @@ def train(model, optimizer, scheduler, data, steps, settings):
 
 def main():
     workdir, phase, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    layout = Layout(tp=tp)
+    layout = parallel_layout(tp=tp)
     pgs = init_megatron(layout, seed=1)
-    rank = dist.get_rank()
-    ckpt = workdir / "checkpoints"
     settings = StepSettings(LossSettings(algorithm="gspo", eps_low=0.05, eps_high=0.05,
                                          vocab_size=SHAPE.vocab_size), num_minibatches=K,
                             max_tokens_per_microbatch=64)
     if phase == "run":
-        model, optimizer, scheduler = setup(layout, pgs, seed=5)
-        train(model, optimizer, scheduler, SyntheticData(), STEPS, settings)
-        torch.save(params(model), workdir / f"reference_rank{rank}.pt")
-        print(f"OK reference rank {rank}", flush=True)
+        run_and_crash(workdir, layout, pgs, settings)  # reports its checks and ends the process (os._exit)
+    else:
+        resume(workdir, layout, pgs, settings)
+    done()
 
-        model, optimizer, scheduler = setup(layout, pgs, seed=5)
-        data = SyntheticData()
-        for step in (1, 2):
-            train(model, optimizer, scheduler, data, 1, settings)
-            save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
-                            model, optimizer, scheduler, keep_last=1)
+
+def run_and_crash(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
+    """(A) the uninterrupted reference, (B) 2 checkpointed steps, then a crash during step 3's save."""
+    rank = dist.get_rank()
+    ckpt = workdir / "checkpoints"
+    model, optimizer, scheduler = setup(layout, pgs, seed=5)
+    train(model, optimizer, scheduler, SyntheticData(), STEPS, settings)
+    torch.save(params(model), workdir / f"reference_rank{rank}.pt")
+
+    model, optimizer, scheduler = setup(layout, pgs, seed=5)
+    data = SyntheticData()
+    for step in (1, 2):
+        train(model, optimizer, scheduler, data, 1, settings)
+        save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
+                        model, optimizer, scheduler, keep_last=1)
+    with check("keep_last=1 keeps only the step-2 checkpoint"):
         assert complete_iterations(ckpt) == [2], complete_iterations(ckpt)   # keep_last pruned step 1
-        train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
-        if rank == 0:                                                       # ... its save crashes midway
-            (ckpt / "iter_0000003.tmp").mkdir(parents=True)
-            (ckpt / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
-        dist.barrier()
-        print(f"OK interrupted rank {rank}", flush=True)
-        os._exit(0)  # no destroy_process_group, no atexit: as abrupt as a kill after the last flush
+    train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
+    if rank == 0:                                                       # ... its save crashes midway
+        (ckpt / "iter_0000003.tmp").mkdir(parents=True)
+        (ckpt / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
+    dist.barrier()
+    done()
+    os._exit(0)  # no destroy_process_group, no atexit: as abrupt as a kill after the last flush
 
+
+def resume(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
+    """A fresh start from the latest complete checkpoint, trained to the end and compared with (A)."""
+    rank = dist.get_rank()
+    ckpt = workdir / "checkpoints"
     model, optimizer, scheduler = setup(layout, pgs, seed=99)   # different init: the checkpoint must win
     torch.manual_seed(12345)                               # different RNG: the checkpoint's must win
-    assert find_latest(ckpt) == 2, find_latest(ckpt)
-    state = load_checkpoint(ckpt, model, optimizer, scheduler)
-    assert state.step == 2 and state.user_state == {"rollouts": 2}, state
-    assert scheduler.num_steps == 2 * K, scheduler.num_steps
+    with check("the latest complete checkpoint is step 2"):
+        assert find_latest(ckpt) == 2, find_latest(ckpt)
+    with check("the checkpoint restores the trainer state and the schedule"):
+        state = load_checkpoint(ckpt, model, optimizer, scheduler)
+        assert state.step == 2 and state.user_state == {"rollouts": 2}, state
+        assert scheduler.num_steps == 2 * K, scheduler.num_steps
     at_step2 = params(model)
     data = SyntheticData()
     data.position = state.data_state
     train(model, optimizer, scheduler, data, STEPS - state.step, settings)
     reference = torch.load(workdir / f"reference_rank{rank}.pt")
-    worst = 0.0
-    for name, p in params(model).items():
-        worst = max(worst, (p - reference[name]).abs().max().item())
-    identical = all(torch.equal(p, reference[n]) for n, p in params(model).items())
-    assert worst <= 1e-7, f"rank {rank}: resumed parameters differ from the uninterrupted run by {worst:.3e}"
+    with check("resumed parameters are those of the uninterrupted run within 1e-7"):
+        worst = 0.0
+        for name, p in params(model).items():
+            worst = max(worst, (p - reference[name]).abs().max().item())
+        assert worst <= 1e-7, f"rank {rank}: resumed parameters differ from the uninterrupted run by {worst:.3e}"
+    with check("resumed parameters are bitwise identical to the uninterrupted run"):
+        different = [n for n, p in params(model).items() if not torch.equal(p, reference[n])]
+        assert not different, f"not bitwise identical (max |diff| {worst:.1e}): {different[:5]}"
     # The checkpoint tools read it as a Megatron checkpoint (last: building a model reseeds the RNG).
-    from megatron_gspo.convert.load import load_weights
-    other, _, _ = setup(layout, pgs, seed=123)
-    load_weights(other, ckpt)
-    assert all(torch.equal(p, at_step2[n]) for n, p in params(other).items())
-    print(f"OK resumed rank {rank}: parameters {'bitwise identical' if identical else f'within {worst:.1e}'} "
-          f"to the uninterrupted run", flush=True)
+    with check("load_weights reads the checkpoint as a Megatron checkpoint"):
+        other, _, _ = setup(layout, pgs, seed=123)
+        load_weights(other, ckpt)
+        assert all(torch.equal(p, at_step2[n]) for n, p in params(other).items())
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 usage: torchrun --nproc-per-node 2 train_step.py TP PP EP MODEL [CP]
 e.g. `1 1 1 dense` (data parallel over 2 ranks), `2 1 1 dense`, `1 2 1 dense`, `1 1 1 dense 2`, `1 1 2 moe` (tiny
-Qwen3-MoE, experts over 2 ranks). Prints "OK <check>" per passed check.
+Qwen3-MoE, experts over 2 ranks). Five checks, in order, on one model: each trains it further.
 """
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.parallel.groups import Layout, init_megatron
+from megatron_gspo.model.gpt import model_process_groups
+from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import Response
 from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
 
 from megatron_gspo.model.presets import PRESETS
 
-from trainer_common import synthetic_responses, tiny_model
+from checks import check, done
+from trainer_common import parallel_layout, synthetic_responses, tiny_model
 
 N = 16
 
@@ -35,12 +37,22 @@ def main():
     preset = "tiny_moe" if sys.argv[4] == "moe" else "tiny_dense"
     shape = PRESETS[preset]
     cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp)
+    layout = parallel_layout(tp=tp, pp=pp, ep=ep, cp=cp)
     pgs = init_megatron(layout, seed=1)
     loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
     responses = synthetic_responses(seed=3, n=N)
 
-    # 1. The gradient does not depend on the micro-batch split: one micro-batch vs. many.
+    model, optimizer, scheduler = microbatch_invariance(layout, pgs, preset, shape, loss, responses)
+    on_policy_first_minibatch(model, optimizer, scheduler, loss, responses)
+    train_rollout_gap(model, optimizer, loss, responses)
+    fixed, wide = loss_decreases(model, optimizer, loss, responses)
+    entropy(model, optimizer, loss, fixed, wide, shape, layout)
+    done()
+
+
+@check("microbatch invariance")
+def microbatch_invariance(layout, pgs, preset, shape, loss, responses):
+    """The gradient does not depend on the micro-batch split: one micro-batch vs. many."""
     norms, losses = [], []
     for budget in (4096, 40):
         model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
@@ -51,13 +63,16 @@ def main():
     # MoE: the load-balancing aux loss is computed per micro-batch, so it (alone) depends on the split.
     assert abs(norms[0] - norms[1]) <= (1e-4 if shape.is_moe else 1e-5) * norms[0], norms
     assert abs(losses[0] - losses[1]) <= 1e-7, losses
-    say("OK microbatch invariance")
+    return model, optimizer, scheduler
 
-    # 2. Recompute: mini-batch 1 is on-policy, so s_i == 1 exactly and nothing is clipped;
-    #    mini-batch 2 was recomputed before step 1 moved the weights, so its ratios are not 1.
+
+@check("on-policy first mini-batch")
+def on_policy_first_minibatch(model, optimizer, scheduler, loss, responses):
+    """Recompute: mini-batch 1 is on-policy, so s_i == 1 exactly and nothing is clipped;
+    mini-batch 2 was recomputed before step 1 moved the weights, so its ratios are not 1."""
     records = train_on_batch(model, optimizer, responses,
                              StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64),
-                             pgs=pgs, scheduler=scheduler)
+                             pgs=model_process_groups(model), scheduler=scheduler)
     first, second = records
     assert first["ratio_min"] == first["ratio_max"] == 1.0, first
     assert first["clipped_fraction_seq"] == 0.0 and first["clipped_fraction_token"] == 0.0, first
@@ -66,26 +81,32 @@ def main():
     assert math.isfinite(first["grad_norm"]) and first["grad_norm"] > 0
     assert first["sequences"] == N / 2 and first["sequences_empty"] in (0.0, 1.0)
     assert first["lr"] == 1e-3
-    say(f"OK on-policy first mini-batch: ratio [{first['ratio_min']}, {first['ratio_max']}], "
+    say(f"on-policy first mini-batch: ratio [{first['ratio_min']}, {first['ratio_max']}], "
         f"clipped 0; second: ratio [{second['ratio_min']:.6f}, {second['ratio_max']:.6f}]")
 
-    # 3. The train-vs-rollout gap: rollout log-probs = current ones shifted by +-1e-3 per sequence.
-    current = compute_logprobs(model, responses, loss, pgs=pgs)
+
+@check("train-rollout gap")
+def train_rollout_gap(model, optimizer, loss, responses):
+    """The train-vs-rollout gap: rollout log-probs = current ones shifted by +-1e-3 per sequence."""
+    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model))
     shifted = [dataclasses.replace(r, rollout_logprobs=[lp + (1e-3 if i % 2 else -1e-3) for lp in lps])
                for i, (r, lps) in enumerate(zip(responses, current))]
-    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1), pgs=pgs)[0]
+    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1), pgs=model_process_groups(model))[0]
     assert abs(rec["train_rollout_abs_delta_token"] - 1e-3) < 1e-5, rec
     assert abs(rec["train_rollout_abs_delta_seq"] - 1e-3) < 1e-5, rec
     assert rec["ratio_min"] == rec["ratio_max"] == 1.0   # recomputed old log-probs, not the rollout's
-    say(f"OK train-rollout gap {rec['train_rollout_abs_delta_token']:.7f} per token, "
+    say(f"train-rollout gap {rec['train_rollout_abs_delta_token']:.7f} per token, "
         f"{rec['train_rollout_abs_delta_seq']:.7f} per sequence (1e-3 injected)")
 
-    # 4. Learning: with fixed old log-probs (rollout mode, wide clip) each step lowers the loss -J.
-    current = compute_logprobs(model, responses, loss, pgs=pgs)
+
+@check("loss decreases")
+def loss_decreases(model, optimizer, loss, responses):
+    """Learning: with fixed old log-probs (rollout mode, wide clip) each step lowers the loss -J."""
+    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model))
     fixed = [dataclasses.replace(r, rollout_logprobs=lps) for r, lps in zip(responses, current)]
     wide = StepSettings(dataclasses.replace(loss, eps_low=0.2, eps_high=0.2), num_minibatches=1,
                         old_logprobs="rollout")
-    history = [train_on_batch(model, optimizer, fixed, wide, pgs=pgs)[0]["loss"] for _ in range(5)]
+    history = [train_on_batch(model, optimizer, fixed, wide, pgs=model_process_groups(model))[0]["loss"] for _ in range(5)]
     say("loss over steps: " + ", ".join(f"{v:.6f}" for v in history))
     # Step 1 starts on-policy: s == 1, so -J = -(1/N) sum of A over non-empty responses (an empty
     # response counts in N but adds nothing; group advantages sum to 0, so this is A_empty / N).
@@ -96,17 +117,21 @@ def main():
     # The objective is bounded by the clip: -J >= -(1/N) (1.2 sum_{A>0} A + 0.8 sum_{A<0} A).
     bound = -sum((1.2 if r.advantage > 0 else 0.8) * r.advantage for r in responses if r.response_ids) / N
     assert history[-1] >= bound - 1e-6, (history, bound)
-    say("OK loss decreases")
+    return fixed, wide
 
-    # 5. Entropy: the recompute pass and the training forward (rollout mode) report the same token
-    #    mean at the same weights (lr 0 keeps them), and it lies in (0, log V].
+
+@check("entropy")
+def entropy(model, optimizer, loss, fixed, wide, shape, layout):
+    """The recompute pass and the training forward (rollout mode) report the same token mean at the
+    same weights (lr 0 keeps them), and it lies in (0, log V]."""
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1), pgs=pgs)[0]["entropy"]
-    from_training = train_on_batch(model, optimizer, fixed, wide, pgs=pgs)[0]["entropy"]
+    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1), pgs=model_process_groups(model))[0]["entropy"]
+    from_training = train_on_batch(model, optimizer, fixed, wide, pgs=model_process_groups(model))[0]["entropy"]
     assert abs(from_recompute - from_training) <= 1e-6 * from_recompute, (from_recompute, from_training)
     assert 0.0 < from_recompute <= math.log(shape.vocab_size), from_recompute
-    if tp == pp == cp == 1:  # every rank holds the whole model: a float64 reference from the logits
+    # Every rank holds the whole model: a float64 reference from the logits.
+    if layout.tp == layout.pp == layout.cp == 1:
         total, count = 0.0, 0
         with torch.no_grad():
             for r in fixed:
@@ -116,7 +141,7 @@ def main():
                 total += float(-(logp.exp() * logp).sum())
                 count += len(r.response_ids)
         assert abs(from_recompute - total / count) <= 1e-5 * from_recompute, (from_recompute, total / count)
-    say(f"OK entropy {from_recompute:.6f} (recompute) vs {from_training:.6f} (training forward)")
+    say(f"entropy {from_recompute:.6f} (recompute) vs {from_training:.6f} (training forward)")
 
 
 if __name__ == "__main__":

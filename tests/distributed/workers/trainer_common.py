@@ -1,8 +1,10 @@
 """Shared pieces of the trainer's distributed test workers: a tiny dense Qwen3 and synthetic responses."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.config import (GSPOConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig,
                                   TrainConfig)
@@ -14,13 +16,18 @@ from megatron_gspo.training.setup import build_policy
 SHAPE = TINY_DENSE
 
 
-def tiny_model(layout, *, pgs, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",
+def parallel_layout(**sizes: int) -> ParallelConfig:
+    """A ParallelConfig with these sizes (tp, pp, cp, ep, ...) whose dp takes the rest of torchrun's world."""
+    model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    return ParallelConfig(**sizes, dp=int(os.environ["WORLD_SIZE"]) // model_parallel)
+
+
+def tiny_model(layout: ParallelConfig, *, pgs, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",
                distributed_optimizer: bool = False, **optimizer):
     """(model chunks, Adam, scheduler), initialised identically for the same seed, via training.setup."""
     config = TrainConfig(
         model=ModelConfig(preset=preset, dtype="float32"),
-        parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                                dp=layout.dp(dist.get_world_size()), distributed_optimizer=distributed_optimizer),
+        parallel=dataclasses.replace(layout, distributed_optimizer=distributed_optimizer),
         gspo=GSPOConfig(num_minibatches=1, group_size=4, prompts_per_step=4),
         rollout=RolloutConfig(backend="megatron"),
         optimizer=OptimizerConfig(**{"lr": lr, "clip_grad": 0.0, **optimizer}),
