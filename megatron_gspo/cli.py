@@ -120,7 +120,7 @@ def _train_parser(sub) -> None:
 
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
-    from megatron_gspo.rollout.server import free_port
+    from megatron_gspo.net import free_port
     from megatron_gspo.training.preflight import preflight
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_gspo.rollout.server import free_port
+from megatron_gspo.net import free_port
 from tests.distributed.workers.checks import failures, passed_counts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_gspo.config import ParallelConfig  # noqa: E402
 from megatron_gspo.convert.parity import check_parity  # noqa: E402
-from megatron_gspo.rollout.server import free_port  # noqa: E402
+from megatron_gspo.net import free_port  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from typing import Sequence
 import httpx
 
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.server import auth_headers
+from megatron_gspo.net import auth_headers
 from megatron_gspo.types import Prompt, Sample
 
 

@@ -15,7 +15,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from megatron_gspo.net import auth_headers, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_STUBS_DIR = Path(__file__).resolve().parents[1] / "platform" / "sglang_cpu_stubs"
@@ -90,18 +91,6 @@ class ServerConfig:
         if not Path(self.python).exists():
             raise ValueError(f"SGLang python {self.python!r} does not exist: run scripts/setup_sglang.sh "
                              f"or set ${SGLANG_PYTHON_ENV}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks it): for servers and torch.distributed rendezvous."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """The HTTP headers SGLang's `--api-key` asks for; none without a key. Every client here uses these."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class SGLangServer:

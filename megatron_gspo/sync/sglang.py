@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-from megatron_gspo.rollout.server import auth_headers, free_port
+from megatron_gspo.net import auth_headers, free_port
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 256 * 2**20

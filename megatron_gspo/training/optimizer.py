@@ -4,23 +4,27 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import OptimizerConfig
 
 
-def build_optimizer(model: list, config: OptimizerConfig, *, total_steps: int, pgs: ProcessGroupCollection,
+def build_optimizer(model: list, config: OptimizerConfig, *, total_steps: int,
                     params_dtype: torch.dtype = torch.float32, distributed: bool = False):
     """(optimizer, scheduler): Megatron's Adam(W) over the model chunks and its lr/wd scheduler.
 
     `total_steps` counts optimizer steps (rollout steps x mini-batches); the schedule decays over them.
     Call `scheduler.step(1)` after each `optimizer.step()`.
+
+    The optimizer is the one start-up component that still takes Megatron's global process groups:
+    megatron-core 0.16.1's get_megatron_optimizer refuses `pg_collection=` together with the gloo groups
+    it needs on CPU ("Gloo process groups are not supported when pg_collection is provided",
+    megatron/core/optimizer/__init__.py). It reads them once, here; no optimizer step reads them.
     """
     optimizer = get_megatron_optimizer(MegatronOptimizerConfig(
         optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-        use_distributed_optimizer=distributed), model, pg_collection=pgs)
+        use_distributed_optimizer=distributed), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
         min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,

@@ -47,7 +47,7 @@ def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:
     model = build_model(shape, transformer_config(shape, config.parallel, params_dtype=dtype,
                                                   aux_loss_coeff=config.model.moe_aux_loss_coeff), pgs=pgs,
                         ddp_overrides={"use_distributed_optimizer": config.parallel.distributed_optimizer})
-    optimizer, scheduler = build_optimizer(model, config.optimizer, total_steps=config.optimizer_steps, pgs=pgs,
+    optimizer, scheduler = build_optimizer(model, config.optimizer, total_steps=config.optimizer_steps,
                                            params_dtype=dtype, distributed=config.parallel.distributed_optimizer)
     return Policy(shape, model, optimizer, scheduler, pgs)
 

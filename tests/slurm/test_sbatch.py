@@ -55,7 +55,7 @@ def tiny_model(tmp_path_factory):
 
 def submit(cluster: dict, run_dir: Path, hf: Path, overrides: str) -> str:
     """Submit gspo.sbatch unchanged; the environment selects the tiny CPU run on 2 fake nodes."""
-    from megatron_gspo.rollout.server import free_port
+    from megatron_gspo.net import free_port
 
     env = {**cluster, "CONFIG": "examples/tiny_cpu.yaml", "RUN_DIR": str(run_dir),
            "OVERRIDES": f"model.hf_path={hf} gspo.prompts_per_step=4 gspo.group_size=4 gspo.num_minibatches={K} "

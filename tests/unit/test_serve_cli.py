@@ -14,7 +14,8 @@ import pytest
 
 from megatron_gspo import cli
 from megatron_gspo.rollout.serve import wait_for_servers
-from megatron_gspo.rollout.server import _group_alive, free_port
+from megatron_gspo.net import free_port
+from megatron_gspo.rollout.server import _group_alive
 
 REPO = Path(__file__).resolve().parents[2]
 
