@@ -18,7 +18,6 @@ trainer's own model) has no servers to lose, so its failures always raise.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -49,8 +48,6 @@ class RolloutBatch:
     """prompts_per_step groups of G scored samples (rollout/batch_filling.py)."""
     next_position: int
     """The prompt stream's position after this batch (saved in checkpoints: resume continues there)."""
-    elapsed_s: float
-    """Wall time of rollout and scoring, dynamic sampling's extra rounds included."""
 
     def metrics(self) -> dict[str, float]:
         return self.scored.metrics()
@@ -80,7 +77,6 @@ class Rollout:
         return box[0]
 
     def _collect(self, position: int) -> RolloutBatch:
-        start = time.perf_counter()
         taken = 0
 
         def counted():
@@ -90,7 +86,7 @@ class Rollout:
                 yield prompt
         scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
                                                    self.task.reward, drop_zero_variance=self.gspo.dynamic_sampling))
-        return RolloutBatch(scored, position + taken, time.perf_counter() - start)
+        return RolloutBatch(scored, position + taken)
 
     @property
     def needs_weights(self) -> bool:
