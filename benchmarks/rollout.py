@@ -30,7 +30,7 @@ from megatron_gspo.config import SamplingConfig  # noqa: E402
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3  # noqa: E402
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, sglang_sampling_params  # noqa: E402
 from megatron_gspo.rollout.server import ServerConfig, launch_servers  # noqa: E402
-from megatron_gspo.types import Prompt  # noqa: E402
+from megatron_gspo.samples import Prompt  # noqa: E402
 
 
 def _ignoring_eos(sampling: SamplingConfig, n: int) -> dict:

@@ -5,7 +5,7 @@
 Values are parsed by the field's type (`bool`: true/false, `X | None`: none/null, tuples: comma
 separated), checked once when the dataclass is built (a `ValueError` naming the field, e.g.
 "gspo.eps_low must be in [0, 1), got -1.0"), and unknown keys are rejected with the nearest valid name.
-Paths and names that only the package knows (model presets, tasks) are not touched here:
+Paths and names that only the package knows (model presets, reward functions, data files) are not touched here:
 `megatron_gspo.training.preflight` checks them before work starts. This module imports nothing from
 the package, so every layer may take its section of the config.
 
@@ -172,8 +172,6 @@ class RolloutConfig:
     """Running SGLang servers or router (http://host:port); empty: launch num_servers locally."""
     num_servers: int = 1
     """SGLang servers to launch when server_urls is empty."""
-    task: str = "arithmetic"
-    """Prompt source and reward verifier, by name (megatron_gspo.tasks.TASKS)."""
     concurrency: int = 64
     """Requests in flight per server."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
@@ -216,6 +214,99 @@ class SamplingConfig:
         _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "sampling.top_k", "must be -1 or >= 1", self.top_k)
         _positive("sampling", self, "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training prompts: files, keys, chat template, order (megatron_gspo/data/)."""
+
+    train: tuple[str, ...] = ()
+    """Prompt files: `.jsonl`, `.parquet`, a directory written by `datasets.Dataset.save_to_disk`, or a
+    list of these (concatenated in order). Required to train."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt: a string, or a list of {role, content} messages. Dotted keys reach
+    nested fields (`extra.question`)."""
+    answer_key: str = "answer"
+    """Field holding the reference answer handed to the reward function (dotted keys too, e.g.
+    `reward_model.ground_truth` as verl's DAPO-Math files store it)."""
+    metadata_keys: tuple[str, ...] = ()
+    """Other fields passed through to the reward function as `sample.metadata[key]` (dotted keys too)."""
+    chat_template: Literal["auto", "true", "false"] = "auto"
+    """auto: use the tokenizer's chat template when it has one and the prompt is messages (a string
+    prompt then becomes one user message only with `true`); true: always (an error if the tokenizer
+    has none); false: never (messages are an error, strings are tokenised as they are)."""
+    system_prompt: str | None = None
+    """A system message put before each prompt's messages (templated prompts only)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the template, e.g. {enable_thinking: false} for Qwen3."""
+    max_prompt_tokens: int | None = None
+    """Prompts longer than this (in tokens, after the template) are skipped and counted, never truncated."""
+    shuffle: bool = True
+    """Shuffle the prompts (seeded by `seed`), again every epoch."""
+    epochs: int | None = None
+    """Passes over the prompts; None: as many as num_steps needs. The run ends early, with a
+    checkpoint, when they run out."""
+
+    def __post_init__(self):
+        if self.max_prompt_tokens is not None:
+            _positive("data", self, "max_prompt_tokens")
+        if self.epochs is not None:
+            _positive("data", self, "epochs")
+        _check(all(k for k in (self.prompt_key, self.answer_key, *self.metadata_keys)), "data.prompt_key",
+               "answer_key and metadata_keys must be non-empty", (self.prompt_key, self.answer_key))
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How responses are scored (megatron_gspo/rewards/)."""
+
+    fn: str = "math"
+    """math (Hugging Face math-verify: LaTeX, fractions, \\boxed{}, intervals, sets), exact_match (stripped
+    strings equal), or `package.module:function` taking a Sample (prompt, response_text, answer,
+    metadata) and returning a float."""
+    workers: int = 2
+    """Worker processes scoring in parallel (a hung or crashed one is killed and replaced)."""
+    timeout_s: float = 10.0
+    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout."""
+    truncated: Literal["keep", "zero"] = "keep"
+    """Responses cut by max_new_tokens (finish reason "length"): scored as they are, or 0."""
+
+    def __post_init__(self):
+        _positive("reward", self, "workers")
+        _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0", self.timeout_s)
+        _check(bool(self.fn), "reward.fn", "must be set", self.fn)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation during training (and `megatron-gspo eval`)."""
+
+    datasets: dict[str, str] = field(default_factory=dict)
+    """name -> dataset path (formats and keys as in `data`); `eval.datasets.NAME=PATH` on the command line."""
+    interval: int = 0
+    """Evaluate every this many rollout steps, at step 0 and at the end; 0: off."""
+    samples_per_prompt: int = 1
+    """k: responses per prompt (mean@k = average pass@1 over them, as the GSPO paper reports AIME'24)."""
+    temperature: float = 1.0
+    """Sampling temperature of eval responses (0: greedy, SGLang only)."""
+    top_p: float = 1.0
+    """Nucleus threshold of eval responses."""
+    max_new_tokens: int | None = None
+    """Longest eval response; None: sampling.max_new_tokens."""
+    max_prompts: int | None = None
+    """Evaluate only the first this-many prompts of each dataset; None: all."""
+
+    def __post_init__(self):
+        _check(self.interval >= 0, "eval.interval", "must be >= 0", self.interval)
+        _positive("eval", self, "samples_per_prompt")
+        _check(self.temperature >= 0, "eval.temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1]", self.top_p)
+        for name in ("max_new_tokens", "max_prompts"):
+            if getattr(self, name) is not None:
+                _positive("eval", self, name)
+        for name, path in self.datasets.items():
+            _check(isinstance(path, str) and bool(path), f"eval.datasets.{name}", "must be a dataset path", path)
+        _check(not (self.interval and not self.datasets), "eval.interval", "needs eval.datasets", self.interval)
 
 
 @dataclass(frozen=True)
@@ -296,9 +387,15 @@ class TrainConfig:
     gspo: GSPOConfig = field(default_factory=GSPOConfig)
     """The algorithm."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Where rollouts come from (backend, servers, task, weight sync)."""
+    """Where rollouts come from (backend, servers, weight sync)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How responses are sampled."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Adam and its learning-rate schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -372,19 +469,32 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         key = ALIASES.get(key.strip(), key.strip())
         *parents, leaf = key.split(".")
         cls, node, prefix = TrainConfig, raw, ""
-        for part in parents:
+        for i, part in enumerate(parents):
             tp = _field_type(cls, part, prefix)
+            if typing.get_origin(tp) is dict:  # `eval.datasets.NAME=PATH`: one entry of a mapping
+                entry = ".".join([*parents[i + 1:], leaf])
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"{prefix}{part} must be a mapping")
+                value_tp = typing.get_args(tp)[1]
+                node[entry] = text.strip() if value_tp is str else yaml.safe_load(text)
+                break
             if not dataclasses.is_dataclass(tp):
                 raise ValueError(f"{prefix}{part} is a value, not a section: cannot set {key}")
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"{prefix}{part} must be a mapping")
             cls, prefix = tp, f"{prefix}{part}."
-        tp = _field_type(cls, leaf, prefix)
-        if dataclasses.is_dataclass(tp):
-            raise ValueError(f"{key} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
-        node[leaf] = _parse_text(text.strip(), tp, key)
+        else:
+            _set_leaf(node, cls, leaf, prefix, key, text)
     return from_dict(TrainConfig, raw)
+
+
+def _set_leaf(node: dict, cls, leaf: str, prefix: str, key: str, text: str) -> None:
+    tp = _field_type(cls, leaf, prefix)
+    if dataclasses.is_dataclass(tp):
+        raise ValueError(f"{key} is a section; set one of its fields, e.g. {key}.{dataclasses.fields(tp)[0].name}=...")
+    node[leaf] = _parse_text(text.strip(), tp, key)
 
 
 def from_dict(cls, data: dict, prefix: str = ""):
@@ -409,7 +519,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
 def to_dict(config) -> dict:
     """Plain nested dict (tuples as lists), for YAML dumps and metrics headers."""
     def plain(v):
-        return list(v) if isinstance(v, tuple) else v
+        return list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v
     return {k: (to_dict(v) if dataclasses.is_dataclass(v) else plain(v))
             for k, v in ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))}
 
@@ -462,6 +572,11 @@ def _parse_text(text: str, tp, name: str):
     inner, optional = _optional_inner(tp)
     if optional and text.lower() in ("none", "null", "~", ""):
         return None
+    if typing.get_origin(inner) is dict:
+        try:
+            return yaml.safe_load(text)  # `{enable_thinking: false}`
+        except yaml.YAMLError as e:
+            raise ValueError(f"{name} must be a mapping like {{key: value}}, got {text!r}") from e
     if typing.get_origin(inner) is tuple:
         text = text.strip("[]()")
         return _coerce(tuple(s.strip() for s in text.split(",") if s.strip()), tp, name)
@@ -484,12 +599,19 @@ def _coerce(value, tp, name: str):
         if optional:
             return None
         raise ValueError(f"{name} must not be empty")
-    if isinstance(value, str) and inner is not str and typing.get_origin(inner) is not Literal:
+    if isinstance(value, str) and inner is not str and typing.get_origin(inner) not in (Literal, dict):
         value = _parse_text(value, tp, name)  # e.g. YAML reads `3e-4` as a string
         if value is None:
             return None
+    if typing.get_origin(inner) is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{name} must be a mapping with string keys, got {value!r}")
+        item = typing.get_args(inner)[1]
+        return {k: v if item is Any else _coerce(v, item, f"{name}.{k}") for k, v in value.items()}
     if typing.get_origin(inner) is Literal:
         choices = typing.get_args(inner)
+        if isinstance(value, bool) and "true" in choices:  # YAML reads `true` as a bool
+            value = str(value).lower()
         if value not in choices:
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value

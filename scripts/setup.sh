@@ -19,6 +19,8 @@ requirements=(
   "transformers==5.19.0" "tokenizers==0.23.2" "safetensors"
   "matplotlib"  # the reward / clip-fraction / length plot of a run
   "httpx"       # the async rollout client (SGLang HTTP API)
+  "datasets==5.2.0" "pyarrow"  # prompt files: jsonl, parquet, save_to_disk directories (megatron_gspo/data)
+  "math-verify==0.9.0"         # the `math` reward: LaTeX / \boxed{} / fractions / sets equivalence
 )
 stamp_text="$(printf '%s\n' "${requirements[@]}"; cat pyproject.toml)"
 stamp=$venv/.megatron_gspo_setup

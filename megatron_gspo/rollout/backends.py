@@ -25,7 +25,7 @@ from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutSta
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
 from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 
 class RolloutBackend(Protocol):

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Iterator, Sequence
 
 from megatron_gspo.rollout.client import RolloutStats
 from megatron_gspo.rollout.rewards import RewardFn, score_samples
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 GenerateFn = Callable[[Sequence[Prompt]], Awaitable[tuple[list[list[Sample]], RolloutStats]]]
 """Rolls out G samples per prompt: a rollout backend's `generate` (rollout/backends.py)."""

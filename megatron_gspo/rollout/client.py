@@ -23,7 +23,7 @@ import httpx
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.net import auth_headers
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 
 def sglang_sampling_params(sampling: SamplingConfig, n: int) -> dict:

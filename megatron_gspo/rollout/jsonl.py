@@ -11,7 +11,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 
 class JsonlError(ValueError):

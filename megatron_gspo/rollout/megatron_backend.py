@@ -54,7 +54,8 @@ from megatron_gspo.model.schedule import run_schedule
 from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.rollout.client import RolloutStats
-from megatron_gspo.types import MicroBatch, Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
+from megatron_gspo.types import MicroBatch
 
 _MASK32 = 0xFFFFFFFF
 

@@ -20,7 +20,7 @@ import threading
 from fractions import Fraction
 from typing import Callable, Sequence
 
-from megatron_gspo.types import Sample
+from megatron_gspo.samples import Sample
 
 RewardFn = Callable[[Sample], float]
 

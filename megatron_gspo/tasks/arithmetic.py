@@ -15,7 +15,7 @@ import random
 from typing import Callable, Iterator
 
 from megatron_gspo.rollout.rewards import exact_match
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 
 PAIRS = tuple((a, b) for a in range(10) for b in range(10 - a))

@@ -2,7 +2,7 @@
 import torch
 
 from megatron_gspo.dev.tiny_model import arithmetic_corpus
-from megatron_gspo.types import Prompt
+from megatron_gspo.samples import Prompt
 
 API_KEY = "test-key"
 

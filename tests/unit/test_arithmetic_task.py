@@ -4,7 +4,7 @@ from collections import Counter
 from megatron_gspo.cli import main
 from megatron_gspo.tasks import load_task
 from megatron_gspo.tasks.arithmetic import PAIRS, problem
-from megatron_gspo.types import Sample
+from megatron_gspo.samples import Sample
 
 
 def sample(text, answer):

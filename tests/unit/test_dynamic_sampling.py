@@ -6,7 +6,7 @@ import pytest
 from megatron_gspo.rollout.client import RolloutStats
 from megatron_gspo.rollout.rewards import math_verify
 from megatron_gspo.rollout.batch_filling import PromptsExhausted, collect_scored_groups, has_signal
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 G = 4
 

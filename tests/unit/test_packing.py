@@ -110,7 +110,7 @@ def test_bad_responses_are_rejected(response, message):
 
 
 def test_rollout_samples_adapt_to_responses():
-    from megatron_gspo.types import Sample
+    from megatron_gspo.samples import Sample
 
     samples = [Sample(group_id=0, sample_index=i, prompt_ids=[1, 2, 3], response_ids=[4, 5],
                       rollout_logprobs=[-0.1, -0.2], finish_reason="stop", reward=float(i)) for i in range(2)]

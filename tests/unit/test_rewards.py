@@ -6,7 +6,7 @@ import pytest
 
 from megatron_gspo.rollout.rewards import (RewardError, exact_match, extract_answer, load_reward_fn, math_verify,
                                            parse_number, score_samples)
-from megatron_gspo.types import Sample
+from megatron_gspo.samples import Sample
 
 
 def sample(text, answer="12", group_id=0, index=0):

@@ -6,7 +6,7 @@ from fake_sglang_server import FakeSGLang
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.rollout.client import (ClientConfig, RolloutClient, RolloutError, ServerResponseError,
                                           sglang_sampling_params)
-from megatron_gspo.types import Prompt
+from megatron_gspo.samples import Prompt
 
 G = 4
 FAST = dict(retry_backoff_s=0.01, request_timeout_s=5.0, connect_timeout_s=2.0)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from megatron_gspo.rollout.jsonl import JsonlError, read_prompts, read_samples, write_samples
-from megatron_gspo.types import Sample
+from megatron_gspo.samples import Sample
 
 
 def write_lines(path, lines):

@@ -12,7 +12,7 @@ from megatron_gspo.config import GSPOConfig
 from megatron_gspo.rollout.client import RolloutError, RolloutStats
 from megatron_gspo.rollout.manager import Rollout
 from megatron_gspo.net import free_port
-from megatron_gspo.types import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample
 
 G = 2
 

@@ -30,7 +30,7 @@ from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
-from megatron_gspo.types import Prompt
+from megatron_gspo.samples import Prompt
 
 from checks import check, done
 from trainer_common import parallel_layout, synthetic_responses, tiny_model

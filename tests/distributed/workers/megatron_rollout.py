@@ -28,7 +28,7 @@ from megatron_gspo.convert.load import load_weights
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator
 from megatron_gspo.training.setup import build_policy
-from megatron_gspo.types import Prompt
+from megatron_gspo.samples import Prompt
 
 from checks import check, done
 
