@@ -1,0 +1,80 @@
+"""Reading prompt files into rows (dicts): `.jsonl`/`.json` lines and `.parquet` through pyarrow, and
+directories written by `datasets.Dataset.save_to_disk` through `datasets.load_from_disk`.
+
+Rows are numbered from 0 in every message (the first line of a `.jsonl` file is row 0).
+Columnar formats cannot tell an absent field from a null one, so both read as None here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_gspo.data.errors import DataError
+
+_MISSING = object()
+_JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """All rows of one prompt file or save_to_disk directory, in file order; DataError if unreadable or empty."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{p}: no such file or directory")
+    try:
+        if p.is_dir():
+            rows = _read_saved_dataset(p)
+        elif p.suffix in _JSON_SUFFIXES:
+            rows = _read_json_lines(p)
+        elif p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+            rows = pq.read_table(p).to_pylist()
+        else:
+            raise DataError(f"{p}: unknown prompt file type {p.suffix!r} (expected .jsonl, .json lines, "
+                            ".parquet or a datasets.save_to_disk directory)")
+    except DataError:
+        raise
+    except Exception as e:  # the library's own message, with the file it is about
+        raise DataError(f"{p}: cannot read it: {type(e).__name__}: {e}") from e
+    if not rows:
+        raise DataError(f"{p}: no rows")
+    return rows
+
+
+def _read_json_lines(p: Path) -> list[dict]:
+    import pyarrow.json as paj
+    # One block for the whole file (up to pyarrow's 2 GiB limit) so that the row numbers in pyarrow's
+    # parse errors count from the start of the file, not from the start of a block.
+    block = min(max(p.stat().st_size + 1, 1 << 20), (1 << 31) - 1)
+    try:
+        table = paj.read_json(p, read_options=paj.ReadOptions(block_size=block))
+    except Exception as e:
+        hint = (" (pyarrow needs one JSON type per field across rows, e.g. every answer a string)"
+                if "changed from" in str(e) else "")
+        raise DataError(f"{p}: cannot read it as JSON lines: {e} (rows counted from 0){hint}") from e
+    return table.to_pylist()
+
+
+def _read_saved_dataset(p: Path) -> list[dict]:
+    import datasets
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{p}: a DatasetDict with splits {sorted(ds)}; give the directory of one split")
+    return ds.to_list()
+
+
+def get_key(row: dict, key: str, default: Any = _MISSING) -> Any:
+    """`row[key]`, where a dotted key ("reward_model.ground_truth") walks into nested dicts.
+
+    A key present as a whole (a column literally named "a.b") wins over the nested walk. Returns
+    `default` when some part is absent; without a default, raises KeyError(key).
+    """
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        value = value[part]
+    return value
