@@ -18,6 +18,19 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
 
 EOS_TOKEN = "<|endoftext|>"
 
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}{{ m.content }}{{ '\\n' }}"
+    "{%- elif m.role == 'user' -%}{{ m.content }}="
+    "{%- else -%}{{ m.content }}{{ eos_token }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""The tiny tokenizer's chat template: the demo's plain text in chat form. A user message "3+4" renders as
+"3+4=" (the prompt the model always saw), an assistant message as its content + EOS ("7<|endoftext|>"),
+a system message as its content + a newline before them. `add_generation_prompt` adds nothing: the
+"=" that asks for the answer already ends each user turn."""
+
 
 @dataclass(frozen=True)
 class TinyQwen3Spec:
@@ -105,15 +118,23 @@ def tiny_qwen3_config(spec: TinyQwen3Spec, **extra) -> Qwen3Config | Qwen3MoeCon
         **extra)
 
 
+def make_tiny_tokenizer(spec: TinyQwen3Spec = TinyQwen3Spec()) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer, in memory (no model made): eos = pad = <|endoftext|>, CHAT_TEMPLATE."""
+    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
+                                   eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def make_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
-    """Write config.json, model.safetensors (float32), tokenizer.json and tokenizer_config.json.
+    """Write config.json, model.safetensors (float32), tokenizer.json and tokenizer_config.json (and the
+    chat template, CHAT_TEMPLATE, where transformers saves it).
 
     The same spec gives bit-identical weights and tokenizer on every call.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
-                                   eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast = make_tiny_tokenizer(spec)
     eos_id = fast.convert_tokens_to_ids(EOS_TOKEN)
     config = tiny_qwen3_config(spec, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                                dtype="float32")

@@ -1,4 +1,4 @@
-"""Supervised format warm-start of the arithmetic demo (megatron_gspo/tasks/arithmetic.py).
+"""Supervised format warm-start of the arithmetic demo (megatron_gspo/data/arithmetic.py).
 
 A randomly initialised tiny model puts ~1.4% of its next-token mass on the ten digits, so almost
 every group would be all-zero reward (no signal). `warm_start_format` therefore teaches it the
@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_gspo.tasks.arithmetic import problem
+from megatron_gspo.data.arithmetic import PAIRS
 
 
 def warm_start_format(hf_dir: str | Path, *, steps: int = 150, batch_size: int = 64, lr: float = 3e-3,
                       seed: int = 0) -> float:
     """Supervised format warm-start, in place: "a+b=" -> random digit + EOS (see module doc).
 
-    Returns the fraction of greedy answers that are a single digit afterwards.
+    Returns the fraction of the 55 prompts (data/arithmetic.py PAIRS) whose greedy answer is a single digit.
     """
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -43,7 +43,7 @@ def warm_start_format(hf_dir: str | Path, *, steps: int = 150, batch_size: int =
         opt.step()
     model.eval()
     with torch.no_grad():
-        prompts = torch.tensor([tok(problem(seed, i)[0])["input_ids"] for i in range(200)])
+        prompts = torch.tensor([tok(f"{a}+{b}=")["input_ids"] for a, b in PAIRS])
         first = model(input_ids=prompts).logits[:, -1].argmax(-1)
     model.save_pretrained(hf_dir)
     return sum(int(t) in digits for t in first.tolist()) / len(first)
