@@ -123,13 +123,13 @@ def _present(row: dict, key: str, where: str) -> Any:
     try:
         return get_key(row, key)
     except KeyError:
-        raise DataError(f"{where}: no key {key!r} (keys: {sorted(row)})") from None
+        raise DataError(f"{where}: no key {key!r} (or null in a JSON file; keys: {sorted(row)})") from None
 
 
 def _required(row: dict, key: str, where: str) -> Any:
     value = _present(row, key, where)
     if value is None:
-        raise DataError(f"{where}: key {key!r} is null (missing in a parquet/JSON column)")
+        raise DataError(f"{where}: key {key!r} is null (parquet and save_to_disk files store a missing field as null)")
     return value
 
 

@@ -1,11 +1,13 @@
-"""Reading prompt files into rows (dicts): `.jsonl`/`.json` lines and `.parquet` through pyarrow, and
-directories written by `datasets.Dataset.save_to_disk` through `datasets.load_from_disk`.
+"""Reading prompt files into rows (dicts): `.jsonl`/`.json` lines through pandas (why: _read_json_lines),
+`.parquet` through pyarrow, directories written by `datasets.Dataset.save_to_disk` through
+`datasets.load_from_disk`.
 
 Rows are numbered from 0 in every message (the first line of a `.jsonl` file is row 0).
 Columnar formats cannot tell an absent field from a null one, so both read as None here.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +43,34 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def _read_json_lines(p: Path) -> list[dict]:
+    """Rows of a JSON-lines file, each value exactly as written.
+
+    pandas with dtype=False keeps every value as JSON gave it, row by row (a string "007" stays a string;
+    an answer column may mix strings and numbers, a prompt column strings and message lists). pyarrow's
+    JSON reader needs one type per column, and datasets 5.2 turns a mixed column into its Json feature,
+    which decodes the string "007" to the number 7. A row missing a key reads as NaN there: dropped here.
+    """
+    import pandas as pd
+    try:
+        frame = pd.read_json(p, lines=True, dtype=False, precise_float=True)
+    except ValueError as e:
+        raise DataError(f"{p}: not valid JSON lines: {_json_error_with_row(p) or e}") from e
+    return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+            for row in frame.to_dict("records")]
+
+
+def _json_error_with_row(p: Path) -> str | None:
+    """pyarrow's message for a malformed JSON-lines file, which names the row (0-based) pandas' does not."""
     import pyarrow.json as paj
-    # One block for the whole file (up to pyarrow's 2 GiB limit) so that the row numbers in pyarrow's
-    # parse errors count from the start of the file, not from the start of a block.
+    # One block for the whole file (up to pyarrow's 2 GiB limit): the row numbers of pyarrow's parse
+    # errors then count from the start of the file, not from the start of a block.
     block = min(max(p.stat().st_size + 1, 1 << 20), (1 << 31) - 1)
     try:
-        table = paj.read_json(p, read_options=paj.ReadOptions(block_size=block))
+        paj.read_json(p, read_options=paj.ReadOptions(block_size=block))
     except Exception as e:
-        hint = (" (pyarrow needs one JSON type per field across rows, e.g. every answer a string)"
-                if "changed from" in str(e) else "")
-        raise DataError(f"{p}: cannot read it as JSON lines: {e} (rows counted from 0){hint}") from e
-    return table.to_pylist()
+        if "parse error" in str(e):
+            return f"{e} (rows counted from 0)"
+    return None
 
 
 def _read_saved_dataset(p: Path) -> list[dict]:
