@@ -219,3 +219,12 @@ def test_arithmetic_files(tmp_path, tok):
     assert all(int(p.prompt[0]) + int(p.prompt[2]) == int(p.answer) for p in tr + te)
     assert all(p.prompt_ids == tok(p.prompt)["input_ids"] for p in te)
     assert sorted(tmp_path.joinpath("a").iterdir()) == [test, train]  # no temporary files left
+
+
+def test_json_values_stay_exact_when_a_column_mixes_types(tmp_path, tok):
+    # One file mixing string and message prompts, string and number answers: "007" must stay "007"
+    # (datasets 5.2's Json feature would decode it to 7; pyarrow's JSON reader refuses the file).
+    rows = [{"prompt": "1+1=", "answer": "007"}, {"prompt": [{"role": "user", "content": "2+2"}], "answer": 4},
+            {"prompt": "3+3=", "answer": "1.50"}]
+    got = [(p.prompt, p.answer) for p in open_rows(tmp_path, tok, rows).eval_prompts()]
+    assert got == [("1+1=", "007"), ("2+2=", "4"), ("3+3=", "1.50")]
