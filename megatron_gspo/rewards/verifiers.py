@@ -11,8 +11,9 @@ A user function is named "package.module:function" and must take a `Sample` and 
 Time limits: math-verify's own timeouts use SIGALRM, which works only in a process's main thread
 and would fight the pool's deadline. They are turned off here (`parsing_timeout=None`,
 `timeout_seconds=None`): `RewardPool` runs every call in a worker process and kills it past the
-deadline. Calling `math_reward` directly therefore has no time limit except the bounded input
-(`MAX_RESPONSE_CHARS`).
+deadline. Calling `math_reward` directly therefore has no time limit: the bounded input
+(`MAX_RESPONSE_CHARS`) keeps long responses cheap, but a short one such as "\\boxed{9^{9^{9^{9}}}}"
+makes SymPy evaluate a power tower and never return. Score untrusted text through the pool.
 """
 from __future__ import annotations
 

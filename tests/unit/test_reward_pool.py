@@ -146,3 +146,11 @@ def test_score_cli_prints_the_reward_last():
     assert "timeout" in done.stderr
     done = run_cli("--fn", "reward_fns:missing", "--answer", "1", "--response", "1")
     assert done.returncode == 1 and "cannot be loaded" in done.stderr
+
+
+def test_math_on_a_power_tower_times_out_instead_of_hanging():
+    # math-verify (SymPy) tries to evaluate 9^(9^(9^9)) and does not return: the pool's deadline
+    # is what keeps such a response from stalling a training step.
+    with RewardPool("math", workers=1, timeout_s=0.5) as pool:
+        scores = pool.score([sample("\\boxed{9^{9^{9^{9}}}}"), sample("\\boxed{7}")])
+    assert [s.status for s in scores] == ["timeout", "ok"] and scores[1].value == 1.0
