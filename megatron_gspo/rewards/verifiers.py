@@ -1,0 +1,105 @@
+"""Reward functions `Sample -> float`: the built-ins and user functions named by import path.
+
+Built-ins (by name):
+- "math": Hugging Face math-verify. The reference answer and the response are parsed into SymPy
+  (LaTeX, \\boxed{}, plain numbers, intervals, sets) and compared symbolically, so "\\boxed{0.5}"
+  scores 1.0 against "\\frac{1}{2}" and "The answer is 7." against "7".
+- "exact_match": the stripped response equals the stripped answer.
+
+A user function is named "package.module:function" and must take a `Sample` and return a number.
+
+Time limits: math-verify's own timeouts use SIGALRM, which works only in a process's main thread
+and would fight the pool's deadline. They are turned off here (`parsing_timeout=None`,
+`timeout_seconds=None`): `RewardPool` runs every call in a worker process and kills it past the
+deadline. Calling `math_reward` directly therefore has no time limit: the bounded input
+(`MAX_RESPONSE_CHARS`) keeps long responses cheap, but a short one such as "\\boxed{9^{9^{9^{9}}}}"
+makes SymPy evaluate a power tower and never return. Score untrusted text through the pool.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Callable
+
+from math_verify import parse, verify
+
+from megatron_gspo.samples import Sample
+
+RewardFn = Callable[[Sample], float]
+
+MAX_RESPONSE_CHARS = 10_000
+"""math_reward parses only the last this-many characters of a response (the final answer is at the
+end; a hostile 10^6-character response costs the same as a 10^4 one)."""
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns once per process that its timeout is off; here that is intended (the pool
+    enforces the deadline), so the warning would only be noise in every worker's stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+def exact_match(sample: Sample) -> float:
+    """1.0 when the stripped response equals the stripped reference answer, else 0.0."""
+    if sample.answer is None:
+        raise ValueError("exact_match needs the sample's answer")
+    return float((sample.response_text or "").strip() == sample.answer.strip())
+
+
+def parse_gold(answer: str) -> list:
+    """The reference answer parsed by math-verify.
+
+    A reference answer is usually bare LaTeX ("3\\sqrt{2}", "(1,2]", "\\{1,2\\}"). Parsed bare,
+    math-verify's plain-expression extractor reads "3\\sqrt{2}" as 3 and finds nothing in "(1,2]",
+    so an answer without its own "$" or "\\boxed" is parsed as "$answer$" first, then bare, then
+    as "\\boxed{answer}"; the first that yields something wins.
+    """
+    if "$" in answer or "\\boxed" in answer:
+        candidates = (answer,)
+    else:
+        candidates = (f"${answer}$", answer, f"\\boxed{{{answer}}}")
+    for text in candidates:
+        gold = parse(text, parsing_timeout=None)
+        if gold:
+            return gold
+    raise ValueError(f"math reward: reference answer {answer!r} cannot be parsed by math-verify")
+
+
+def math_reward(sample: Sample) -> float:
+    """1.0 when math-verify finds the response's final answer equal to the reference answer, else 0.0."""
+    if sample.answer is None:
+        raise ValueError("math reward needs the sample's answer")
+    gold = parse_gold(sample.answer)
+    prediction = parse((sample.response_text or "")[-MAX_RESPONSE_CHARS:], parsing_timeout=None)
+    if not prediction:
+        return 0.0
+    return float(verify(gold, prediction, timeout_seconds=None))
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in name ("math", "exact_match") or a user function "package.module:function"."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward {spec!r}: expected a built-in ({', '.join(sorted(BUILTIN))}) "
+                         f"or 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own code failing on import
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not callable")
+    return fn
