@@ -3,8 +3,9 @@
 Commands: `train` (the GSPO loop under torchrun; also one node of a multi-node run), `serve` (one SGLang
 server in the foreground, for rollout nodes), `wait-servers` (until given servers answer), `plot`
 (metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
-`rollout` (offline rollouts from SGLang servers into a samples JSONL file; also the way to debug a reward
-function).
+`rollout` (offline rollouts from SGLang servers into a samples JSONL file), `score` (one response through a
+reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo's
+prompt files).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from megatron_gspo.config import SamplingConfig
+from megatron_gspo.rewards.cli import add_score_parser
 
 
 _SAMPLING = SamplingConfig()
@@ -33,6 +35,7 @@ def _rollout_parser(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
     p.add_argument("--reward", help="'exact_match', 'math' or 'module:function' (default: no rewards)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per sample")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
     s = p.add_argument_group("sampling (megatron_gspo.config.SamplingConfig, whose defaults these are)")
     s.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="0: greedy")
     s.add_argument("--top-p", type=float, default=_SAMPLING.top_p)
@@ -59,10 +62,9 @@ def _rollout_parser(sub) -> None:
 def run_rollout(args) -> int:
     from megatron_gspo.rollout.client import ClientConfig, RolloutClient
     from megatron_gspo.rollout.jsonl import read_prompts, write_samples
-    from megatron_gspo.rollout.rewards import load_reward_fn, score_samples
+    from megatron_gspo.rewards.pool import RewardPool, check_batch
     from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
 
-    reward_fn = load_reward_fn(args.reward) if args.reward else None
     tokenizer_dir = args.tokenizer or args.launch
     encode = None
     if tokenizer_dir:
@@ -87,12 +89,16 @@ def run_rollout(args) -> int:
             urls = [u.strip() for u in args.servers.split(",") if u.strip()]
         groups, stats = asyncio.run(RolloutClient(urls, client_config).generate(prompts, args.n, sampling))
     samples = [s for g in groups for s in g]
-    if reward_fn is not None:
-        score_samples(samples, reward_fn, timeout_s=args.reward_timeout)
+    if args.reward:
+        with RewardPool(args.reward, workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
+            scores = pool.score(samples)
+        check_batch(scores, samples, args.reward)
+        for sample, score in zip(samples, scores):
+            sample.reward = score.value
     write_samples(args.out, samples)
     summary = (f"{len(groups)} groups x {args.n} = {len(samples)} samples, {stats.response_tokens} tokens in "
                f"{stats.elapsed_s:.1f} s ({stats.tokens_per_s:.0f} tok/s) -> {args.out}")
-    if reward_fn is not None:
+    if args.reward:
         summary += f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}"
     if stats.failures:
         summary += f"; {len(stats.failures)} failed requests retried, retired servers: {stats.retired or 'none'}"
@@ -247,6 +253,22 @@ def run_tiny_model(args) -> int:
     return 0
 
 
+def _make_data_parser(sub) -> None:
+    p = sub.add_parser("make-data", help="write the demo's prompt files (train.jsonl, test.jsonl)")
+    p.add_argument("task", choices=("arithmetic",), help="arithmetic: the 55 single-digit sums, 45 train / 10 test")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
+    p.set_defaults(func=run_make_data)
+
+
+def run_make_data(args) -> int:
+    from megatron_gspo.data import write_arithmetic_data
+
+    for path in write_arithmetic_data(args.out, seed=args.seed):
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description="GSPO RL post-training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     _plot_parser(sub)
     _tiny_model_parser(sub)
     _rollout_parser(sub)
+    add_score_parser(sub)
+    _make_data_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

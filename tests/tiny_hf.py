@@ -65,3 +65,14 @@ def read_all(directory: Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 out[name] = f.get_tensor(name)
     return out
+
+
+def fake_hf_dir(directory: Path) -> Path:
+    """A model directory that passes preflight without weights: an empty config.json and the tiny
+    tokenizer (with its chat template), for tests of checks made before any model loads."""
+    from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text("{}")
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory

@@ -2,6 +2,7 @@
 
     backend = open_backend(config, model=policy.model, vocab_size=V, tokenizer=tok, pgs=policy.pgs)
     groups, stats = await backend.generate(prompts)    # one list of G Samples per prompt, in order
+    groups, stats = await backend.generate(prompts, n=k, sampling=eval_sampling, on_group=scorer.submit)
     backend.sync_weights(named_tensors, version="7")   # the weights that sample next
     backend.close()
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_gspo.config import TrainConfig
+from megatron_gspo.config import SamplingConfig, TrainConfig
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
@@ -28,12 +29,19 @@ from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
 from megatron_gspo.samples import Prompt, Sample
 
 
+OnGroup = Callable[[list[Sample]], None]
+"""Called with each group of samples as it finishes (the reward scorer starts on it)."""
+
+
 class RolloutBackend(Protocol):
     collective: bool
     """True: every trainer rank holds the backend and calls it together; False: rank 0 only."""
 
-    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
-        """G samples for each prompt (G = gspo.group_size), each with its log-probs and weight version."""
+    async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
+                       on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+        """n samples for each prompt (default G = gspo.group_size) with `sampling` (default the run's
+        sampling settings), each with its log-probs and weight version. `on_group(samples)` is called with
+        each finished group (at once, or when all are done if the backend cannot tell earlier)."""
 
     def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
         """Make (HF name, full tensor) pairs the weights that sample next, as `version`. A backend that
@@ -73,8 +81,10 @@ class SGLangBackend:
             raise
         self._sampling, self._group_size = config.sampling, config.gspo.group_size
 
-    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
-        return await self._client.generate(prompts, n=self._group_size, sampling=self._sampling)
+    async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
+                       on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+        return await self._client.generate(prompts, n=n or self._group_size, sampling=sampling or self._sampling,
+                                           on_group=on_group)
 
     def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
         self._weights.push(named_tensors, version)
@@ -98,9 +108,14 @@ class MegatronBackend:
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), pgs=pgs)
         self._group_size = config.gspo.group_size
 
-    async def generate(self, prompts: Sequence[Prompt]) -> tuple[list[list[Sample]], RolloutStats]:
-        # collective: every rank calls it with the same prompts
-        return self._generator.generate(prompts, n=self._group_size, weight_version=self.version)
+    async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
+                       on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+        # collective: every rank calls it with the same prompts; the groups all finish together
+        groups, stats = self._generator.generate(prompts, n=n or self._group_size, weight_version=self.version,
+                                                 sampling=sampling, noise_tag="" if sampling is None else "eval:")
+        for group in groups if on_group is not None else ():
+            on_group(group)
+        return groups, stats
 
     def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
         self.version = version  # the model that trains is the model that samples: nothing to move

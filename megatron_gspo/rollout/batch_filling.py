@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence
 
 from megatron_gspo.rollout.client import RolloutStats
-from megatron_gspo.rollout.rewards import RewardFn, score_samples
+from megatron_gspo.rollout.scoring import ScoreCounts, Scorer
 from megatron_gspo.samples import Prompt, Sample
 
-GenerateFn = Callable[[Sequence[Prompt]], Awaitable[tuple[list[list[Sample]], RolloutStats]]]
-"""Rolls out G samples per prompt: a rollout backend's `generate` (rollout/backends.py)."""
+GenerateFn = Callable[..., Awaitable[tuple[list[list[Sample]], RolloutStats]]]
+"""Rolls out G samples per prompt: a rollout backend's `generate(prompts, on_group=...)` (rollout/backends.py)."""
 
 
 class PromptsExhausted(RuntimeError):
@@ -48,6 +48,8 @@ class ScoredBatch:
     """What each generate call returned besides the groups."""
     generated_rewards: list[list[float]] = field(default_factory=list)
     """The rewards of every generated group (kept, dropped or surplus), in generation order."""
+    score_counts: ScoreCounts = field(default_factory=ScoreCounts)
+    """Timeouts, errors and truncated responses over every generated sample, and the wait for rewards."""
 
     @property
     def num_dropped(self) -> int:
@@ -66,7 +68,7 @@ class ScoredBatch:
         trained = [s.reward for group in self.groups for s in group]
         zero = sum(not _varies(group) for group in self.generated_rewards)
         versions = sorted({s.weight_version for s in self.samples if s.weight_version is not None})
-        stats = self.rollout_stats
+        stats, counts = self.rollout_stats, self.score_counts
         return {"reward_mean": mean,
                 "reward_std": math.sqrt(sum((r - mean) ** 2 for r in flat) / n),
                 "zero_signal_group_fraction": zero / max(len(self.generated_rewards), 1),
@@ -78,6 +80,10 @@ class ScoredBatch:
                 "dynamic_sampling_dropped_groups": float(self.num_dropped),
                 **response_length_metrics([len(s.response_ids) for s in self.samples]),
                 "rollout_weight_version": ",".join(versions),
+                "reward_timeouts": float(counts.timeouts),
+                "reward_errors": float(counts.errors),
+                "response_truncated_fraction": counts.truncated / max(counts.samples, 1),
+                "time_reward_wait_s": counts.wait_s,
                 # over every round of dynamic sampling: all response tokens / all generation time
                 "rollout_tokens_per_s": (sum(st.response_tokens for st in stats)
                                          / max(sum(st.elapsed_s for st in stats), 1e-9))}
@@ -112,11 +118,13 @@ def has_signal(group: Sequence[Sample]) -> bool:
 
 
 async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt], num_groups: int,
-                                reward_fn: RewardFn, *, drop_zero_variance: bool = False,
+                                scorer: Scorer, *, drop_zero_variance: bool = False,
                                 oversample: float = 1.5, max_rounds: int = 4,
-                                max_prompts_per_round: int | None = None,
-                                reward_timeout_s: float = 10.0) -> ScoredBatch:
+                                max_prompts_per_round: int | None = None) -> ScoredBatch:
     """Roll out, score and (optionally) filter groups until `num_groups` are kept.
+
+    Each group goes to `scorer` (rollout/scoring.py) as it finishes generating; a round's rewards are
+    awaited once its generation returns.
 
     Without dynamic sampling: one round of `num_groups` prompts. With it: round 1 asks for
     ceil(missing * oversample) prompts, later rounds for ceil(missing * oversample / f), f = the
@@ -150,11 +158,11 @@ async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt],
         if not round_prompts:
             raise PromptsExhausted(f"prompts ran out with {len(batch.groups)} of {num_groups} groups "
                                    f"({batch.num_dropped} zero-variance groups dropped)")
-        groups, stats = await generate(round_prompts)
+        groups, stats = await generate(round_prompts, on_group=scorer.submit)
+        batch.score_counts.add(await scorer.score(groups))
         batch.rounds += 1
         batch.rollout_stats.append(stats)
         for group in groups:
-            score_samples(group, reward_fn, timeout_s=reward_timeout_s)
             batch.generated_rewards.append([s.reward for s in group])
             signal = has_signal(group)
             with_signal += signal

@@ -17,7 +17,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import httpx
 
@@ -117,8 +117,11 @@ class RolloutClient:
                       sampling: SamplingConfig = SamplingConfig()) -> tuple[list[list[Sample]], RolloutStats]:
         return asyncio.run(self.generate(prompts, n, sampling))
 
-    async def generate(self, prompts: Sequence[Prompt], n: int,
-                       sampling: SamplingConfig = SamplingConfig()) -> tuple[list[list[Sample]], RolloutStats]:
+    async def generate(self, prompts: Sequence[Prompt], n: int, sampling: SamplingConfig = SamplingConfig(),
+                       on_group: Callable[[list[Sample]], None] | None = None
+                       ) -> tuple[list[list[Sample]], RolloutStats]:
+        """`on_group(samples)` is called with each group the moment its last response arrives (scoring
+        starts while other groups still generate)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         ids = [p.group_id for p in prompts]
@@ -161,6 +164,8 @@ class RolloutClient:
                         continue
                     server.consecutive_failures = 0
                     stats.requests_ok[server.url] += 1
+                    if on_group is not None:
+                        on_group(samples)
                     return samples
                 errors = [f"{url}: {err}" for url, gid, err in stats.failures if gid == prompt.group_id]
                 raise RolloutError(f"group {prompt.group_id} failed after {cfg.max_attempts} attempts: "
@@ -255,5 +260,5 @@ def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server") -
         samples.append(Sample(group_id=prompt.group_id, sample_index=index, prompt_ids=list(prompt.prompt_ids),
                               response_ids=list(output_ids), rollout_logprobs=logprobs, finish_reason=finish,
                               weight_version=meta.get("weight_version"), response_text=item.get("text"),
-                              prompt=prompt.prompt, answer=prompt.answer))
+                              prompt=prompt.prompt, answer=prompt.answer, metadata=prompt.metadata))
     return samples

@@ -1,17 +1,20 @@
 """The rollout side of one GSPO step, as every trainer rank sees it.
 
-    rollout = Rollout(backend, task, gspo, stop)     # backend: on every rank, or on rank 0 only (SGLang)
-    batch = rollout.generate(position)               # collective: the same ScoredBatch on every rank
-    synced = rollout.sync_weights(export, "7")       # collective: False if a stop signal interrupted it
+    rollout = Rollout(backend, dataset, scorer, config, stop, eval_sets)  # backend: every rank, or rank 0 (SGLang)
+    batch = rollout.generate(position)       # collective: a RolloutBatch on every rank, or an Ended
+    results = rollout.evaluate()             # collective: eval/NAME/mean@k, pass@k, ... (evaluation.py)
+    synced = rollout.sync_weights(export, "7")   # collective: False if a stop signal interrupted it
 
-`generate` takes prompts from the task's stream at `position`, has the backend sample G responses per
-prompt, scores them with the task's verifier and (gspo.dynamic_sampling) rolls out more prompts until
-the batch holds gspo.prompts_per_step groups with signal (rollout/batch_filling.py). Rank 0's batch then
-reaches every rank.
+`generate` takes prompts from the dataset's stream at `position` (data/dataset.py), has the backend
+sample G responses per prompt, scores each group as it finishes in the reward pool (rollout/scoring.py)
+and (gspo.dynamic_sampling) rolls out more prompts until the batch holds gspo.prompts_per_step groups
+with signal (rollout/batch_filling.py). Rank 0's batch then reaches every rank. When the dataset's
+`data.epochs` run out before a batch is full, `generate` returns `Ended("data")` (the partial batch is
+not trained) and the driver ends the run with a checkpoint.
 
 Preemption lives here because this is where it is met: Slurm signals the rollout servers together with
 the trainer, so a request or a weight push can fail *because* the run is being stopped. After a stop
-request such a failure is an interruption: `generate` returns None and `sync_weights` False, and the
+request such a failure is an interruption: `generate` returns `Ended("signal")` and `sync_weights` False, and the
 driver stops with a checkpoint. Before one, it is an error and raises. A collective backend (the
 trainer's own model) has no servers to lose, so its failures always raise.
 """
@@ -19,13 +22,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 import torch.distributed as dist
 
-from megatron_gspo.config import GSPOConfig
+from megatron_gspo.config import SamplingConfig, TrainConfig
+from megatron_gspo.data import PromptDataset
+from megatron_gspo.evaluation import evaluate
 from megatron_gspo.rollout.backends import RolloutBackend
-from megatron_gspo.rollout.batch_filling import ScoredBatch, collect_scored_groups
+from megatron_gspo.rollout.batch_filling import PromptsExhausted, ScoredBatch, collect_scored_groups
+from megatron_gspo.rollout.scoring import Scorer
+from megatron_gspo.samples import Prompt
 from megatron_gspo.sync.sglang import NamedTensors
 
 
@@ -34,10 +41,12 @@ class StopSignal(Protocol):
     """The stop signal received (e.g. "SIGTERM"), or None."""
 
 
-class Task(Protocol):
-    def prompts(self, start: int) -> Iterable: ...
+@dataclass(frozen=True)
+class Ended:
+    """No batch: the run ends here. "signal": a stop signal interrupted the rollout; "data": the
+    prompts of data.epochs ran out."""
 
-    def reward(self, sample) -> float: ...
+    reason: Literal["signal", "data"]
 
 
 @dataclass
@@ -48,31 +57,47 @@ class RolloutBatch:
     """prompts_per_step groups of G scored samples (rollout/batch_filling.py)."""
     next_position: int
     """The prompt stream's position after this batch (saved in checkpoints: resume continues there)."""
+    epoch: int = 0
+    """The data epoch of the batch's last prompt (0-based)."""
 
     def metrics(self) -> dict[str, float]:
-        return self.scored.metrics()
+        return {**self.scored.metrics(), "data_epoch": float(self.epoch)}
 
 
 class Rollout:
     """Prompts -> G samples each -> rewards, for every trainer rank; weight sync to the sampler."""
 
-    def __init__(self, backend: RolloutBackend | None, task: Task, gspo: GSPOConfig, stop: StopSignal):
+    def __init__(self, backend: RolloutBackend | None, dataset: PromptDataset, scorer: Scorer | None,
+                 config: TrainConfig, stop: StopSignal, eval_sets: Mapping[str, Sequence[Prompt]] | None = None):
         self.backend = backend
         """This rank's backend, or None on ranks that only train (SGLang: every rank but 0)."""
-        self.task, self.gspo, self.stop = task, gspo, stop
+        self.scorer = scorer
+        """This rank's scorer (with the reward pool on rank 0), or None where there is no backend."""
+        self.dataset, self.gspo, self.stop = dataset, config.gspo, stop
+        self.eval_sets = dict(eval_sets or {})
+        e = config.eval
+        self.eval_k = e.samples_per_prompt
+        self.eval_sampling = SamplingConfig(
+            temperature=e.temperature, top_p=e.top_p, top_k=config.sampling.top_k,
+            max_new_tokens=e.max_new_tokens or config.sampling.max_new_tokens,
+            stop_token_ids=config.sampling.stop_token_ids, stop=config.sampling.stop)
 
-    def generate(self, position: int) -> RolloutBatch | None:
-        """Collective: the batch from prompt-stream position `position` on every rank, or None on every
-        rank when a stop signal interrupted the rollout."""
-        batch = None
+    def generate(self, position: int) -> RolloutBatch | Ended:
+        """Collective: the batch from prompt-stream position `position` on every rank, or the same
+        `Ended` on every rank (see the module doc)."""
+        result: RolloutBatch | Ended | None = None
         if self.backend is not None:
             try:
-                batch = self._collect(position)
+                result = self._collect(position)
+            except PromptsExhausted as exhausted:
+                print(f"data: {exhausted}; ending the run", flush=True)
+                result = Ended("data")
             except Exception as error:
                 if self.stop.signal_name is None or self.backend.collective:
                     raise
                 print(f"rollout failed after {self.stop.signal_name} ({type(error).__name__}: {error})", flush=True)
-        box = [batch]
+                result = Ended("signal")
+        box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -81,12 +106,22 @@ class Rollout:
 
         def counted():
             nonlocal taken
-            for prompt in self.task.prompts(position):
+            for prompt in self.dataset.prompts(position):
                 taken += 1
                 yield prompt
         scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
-                                                   self.task.reward, drop_zero_variance=self.gspo.dynamic_sampling))
-        return RolloutBatch(scored, position + taken)
+                                                   self.scorer, drop_zero_variance=self.gspo.dynamic_sampling))
+        return RolloutBatch(scored, position + taken, self.dataset.epoch_of(position + taken - 1))
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: every eval dataset's metrics (evaluation.py) on every rank; {} without eval sets."""
+        results = None
+        if self.backend is not None and self.eval_sets:
+            results = asyncio.run(evaluate(self.backend.generate, self.eval_sets, self.scorer, self.eval_sampling,
+                                           self.eval_k))
+        box = [results]
+        dist.broadcast_object_list(box, src=0)
+        return box[0] or {}
 
     @property
     def needs_weights(self) -> bool:

@@ -229,9 +229,16 @@ class MegatronGenerator:
         """Token ids -> response text (what reward functions read); None leaves response_text empty."""
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Prompt], n: int, weight_version: str = "0"
+    def generate(self, prompts: Sequence[Prompt], n: int, weight_version: str = "0", *,
+                 sampling: SamplingConfig | None = None, noise_tag: str = ""
                  ) -> tuple[list[list[Sample]], RolloutStats]:
-        """G = n samples per prompt, in prompt order, on every rank (collective over the world)."""
+        """G = n samples per prompt, in prompt order, on every rank (collective over the world).
+
+        `sampling` overrides the generator's settings for this call (evaluation); `noise_tag` is mixed into
+        the sampling noise's key so that eval prompts never reuse training prompts' noise."""
+        settings = self.settings if sampling is None else sampling
+        if sampling is not None:
+            check_sampling(sampling)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if any(len(p.prompt_ids) < 1 for p in prompts):
@@ -240,17 +247,17 @@ class MegatronGenerator:
         dp, dp_rank = self.pgs.dp.size(), self.pgs.dp.rank()
         rows = [_Row(i, j, p.group_id, list(p.prompt_ids), [], [])
                 for i, p in enumerate(prompts) if i % dp == dp_rank for j in range(n)]
-        for position in range(self.settings.max_new_tokens):
+        for position in range(settings.max_new_tokens):
             active = [r for r in rows if r.finish_reason is None]
             if not self._anyone_active(bool(active)):
                 break
-            tokens, logprobs = self._decode_step(active, weight_version, position)
+            tokens, logprobs = self._decode_step(active, noise_tag + weight_version, position, settings)
             for row, token, logprob in zip(active, tokens, logprobs):
                 row.response_ids.append(token)
                 row.logprobs.append(logprob)
                 if token in self.stop_token_ids:
                     row.finish_reason = "stop"
-                elif len(row.response_ids) == self.settings.max_new_tokens:
+                elif len(row.response_ids) == settings.max_new_tokens:
                     row.finish_reason = "length"
         # Every DP rank contributes its prompts' groups; CP ranks of a replica hold the same rows.
         mine = [(r.prompt_index, r.sample_index, r.response_ids, r.logprobs, r.finish_reason) for r in rows]
@@ -263,7 +270,7 @@ class MegatronGenerator:
                 groups[prompt_index][index] = Sample(
                     group_id=p.group_id, sample_index=index, prompt_ids=list(p.prompt_ids),
                     response_ids=response_ids, rollout_logprobs=logprobs, finish_reason=finish,
-                    weight_version=weight_version, prompt=p.prompt, answer=p.answer,
+                    weight_version=weight_version, prompt=p.prompt, answer=p.answer, metadata=p.metadata,
                     response_text=self.decode(_strip_stop(response_ids, self.stop_token_ids))
                     if self.decode else None)
         stats = RolloutStats(elapsed_s=time.monotonic() - start,
@@ -275,11 +282,12 @@ class MegatronGenerator:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _decode_step(self, active: list[_Row], version: str, position: int) -> tuple[list[int], list[float]]:
+    def _decode_step(self, active: list[_Row], version: str, position: int, settings: SamplingConfig
+                     ) -> tuple[list[int], list[float]]:
         """Sample the next token of every active row (this DP rank's); all ranks call it together."""
         pp_group = self.pgs.pp
         batch, real_rows = self._pack(active, version, position)
-        outputs = run_schedule(self.model, batch, self._forward_step(), pgs=self.pgs, forward_only=True)
+        outputs = run_schedule(self.model, batch, self._forward_step(settings), pgs=self.pgs, forward_only=True)
         picked = torch.zeros(2, batch.num_microbatches * batch.micro_batch_size, dtype=torch.float64)
         if is_pp_last_stage(pp_group):
             picked[0] = torch.cat([o["tokens"] for o in outputs]).double()
@@ -318,7 +326,7 @@ class MegatronGenerator:
             micro_batches.append((mb, keys[rows]))
         return _DecodeBatch(micro_batches, seq_len, rows_per_mb), len(active)
 
-    def _forward_step(self):
+    def _forward_step(self, settings: SamplingConfig):
         """A forward-only step whose logs hold each row's sampled token and its log-prob."""
         tp_group, cp_group = self.pgs.tp, self.pgs.cp
 
@@ -326,7 +334,7 @@ class MegatronGenerator:
             here_BS = batch.loss_mask_BS.bool()  # under CP, the row's last position is on one rank
             here_B = here_BS.any(1)
             logits_BV = output_BSV[torch.arange(output_BSV.shape[0]), here_BS.float().argmax(1)]
-            tokens_B, logprobs_B = sample_from_sharded_logits(logits_BV, keys_B2, self.settings,
+            tokens_B, logprobs_B = sample_from_sharded_logits(logits_BV, keys_B2, settings,
                                                               tp_group=tp_group, vocab_size=self.vocab_size)
             if group_size(cp_group) > 1:
                 tokens_B = torch.where(here_B, tokens_B, 0)

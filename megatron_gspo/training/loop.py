@@ -3,17 +3,18 @@
     torchrun --nproc-per-node N -m megatron_gspo.training.loop CONFIG [key=value ...]
     (or `megatron-gspo train CONFIG [key=value ...]`, which runs exactly that)
 
-One step, as `train` tells it: prompts -> G samples each -> rewards (rollout/manager.py; dynamic
-sampling rolls out more prompts while groups have no signal) -> group advantages (loss/advantages.py)
--> K mini-batches, one optimizer step each (training/step.py) -> the new weights to the sampler
-(rollout/backends.py) -> a checkpoint when due -> one metrics record per optimizer step.
+One step, as `train` tells it: prompts from data.train (data/) -> G samples each -> rewards from the
+reward pool as groups finish (rollout/manager.py; dynamic sampling rolls out more prompts while groups
+have no signal) -> group advantages (loss/advantages.py) -> K mini-batches, one optimizer step each
+(training/step.py) -> the new weights to the sampler (rollout/backends.py) -> held-out evaluation when
+due (eval.interval, evaluation.py) -> a checkpoint when due -> one metrics record per optimizer step.
 
 Every rank runs this function. The rollout backend is chosen once (rollout.backend): SGLang servers
 driven by rank 0, or the trained model generating on every rank. A stop signal (SIGTERM/SIGINT,
 training/preemption.py) during start-up stops at once; during the loop it ends the run after the
 current step, with a checkpoint when `checkpoint.save_on_signal`. A rollout interrupted by it comes
-back as None and ends the run with the previous step's checkpoint, from which a resumed run continues
-exactly.
+back as `Ended("signal")` and ends the run with the previous step's checkpoint, from which a resumed run
+continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoint of the last step.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from megatron_gspo.config import TrainConfig, dump_yaml, load_config, to_dict
 from megatron_gspo.convert.export import iter_hf_tensors
@@ -37,19 +37,20 @@ from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.backends import open_backend
-from megatron_gspo.rollout.manager import Rollout, RolloutBatch
-from megatron_gspo.tasks import load_task
+from megatron_gspo.rewards.pool import RewardPool
+from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch
+from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, namespaced, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
-from megatron_gspo.training.preflight import preflight
+from megatron_gspo.training.preflight import Prepared, preflight
 from megatron_gspo.training.setup import Policy, build_policy, step_settings
 from megatron_gspo.training.step import train_on_batch
 
 
 def train(config: TrainConfig) -> None:
-    preflight(config)
+    prepared = preflight(config)
     pgs = init_megatron(config.parallel, seed=config.seed)  # every process group, built once
     stop = StopRequest()
     policy = build_policy(config, pgs)
@@ -57,19 +58,26 @@ def train(config: TrainConfig) -> None:
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
     with contextlib.ExitStack() as stack:
-        rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop)))
+        rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack)))
         logger = stack.enter_context(open_logger(config, state)) if dist.get_rank() == 0 else None
         if state.step:  # the servers start from the HF weights: give them the resumed ones
             rollout.sync_weights(export, version=str(state.step))
         saved_step = state.step or None  # the step of the checkpoint on disk
         stop.arm()
+        if state.step == 0 and config.eval.interval:  # the starting point of the eval curve
+            log_eval(logger, config, state.step, rollout.evaluate())
+        evaluated_step, data_ended = state.step, False
         while state.step < config.num_steps:
             times = {"time_step_s": time.perf_counter()}
             # 1-2. Prompts -> G samples each -> rewards; the same batch on every rank.
             batch = timed(times, "time_rollout_s", rollout.generate, state.data_state or 0)
-            if batch is None:  # interrupted by a stop signal (the servers got it too): nothing of this step is done
-                if config.checkpoint.save_on_signal and state.step != saved_step:
+            if isinstance(batch, Ended):  # nothing of this step is done
+                data_ended = batch.reason == "data"
+                # a stop signal (the servers got it too), or the data's epochs are used up
+                if state.step != saved_step and (batch.reason == "data" or config.checkpoint.save_on_signal):
                     save_checkpoint(config, state, policy)
+                if batch.reason == "data" and config.eval.interval and evaluated_step != state.step:
+                    log_eval(logger, config, state.step, rollout.evaluate())
                 break
             # 3. Group-normalised advantages: one per sample.
             responses = with_advantages(batch, config)
@@ -79,15 +87,21 @@ def train(config: TrainConfig) -> None:
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
             timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))
-            # 6. A checkpoint every `interval` steps, at the end, and when asked to stop.
             stopping = stop.agreed()
+            # 6. Held-out evaluation every eval.interval rollout steps and at the end.
+            times["time_eval_s"], evaluation = 0.0, {}
+            if eval_due(config, state.step, stopping):
+                evaluation = timed(times, "time_eval_s", rollout.evaluate)
+                evaluated_step = state.step
+            # 7. A checkpoint every `interval` steps, at the end, and when asked to stop.
             times["time_checkpoint_s"] = 0.0
             if checkpoint_due(config, state.step, stopping):
                 timed(times, "time_checkpoint_s", save_checkpoint, config, state, policy)
                 saved_step = state.step
-            # 7. One record per optimizer step: the step's rollout numbers and timings on each.
+            # 8. One record per optimizer step: the step's rollout numbers and timings on each.
             if logger is not None:
                 log_step(logger, config, state.step, batch, records, times)
+                log_eval(logger, config, state.step, evaluation)
             if stopping:
                 break
     if stop.requested and dist.get_rank() == 0:
@@ -95,8 +109,8 @@ def train(config: TrainConfig) -> None:
     stop.arm(False)  # the servers are stopped: from here on a signal ends the process at once
     if dist.get_rank() == 0:
         plot(config.logging.run_dir)
-        # 8. At the end, the final checkpoint as a Hugging Face model.
-        if config.checkpoint.export_hf and state.step == config.num_steps:
+        # 9. At the end, the final checkpoint as a Hugging Face model.
+        if config.checkpoint.export_hf and (state.step == config.num_steps or data_ended):
             export_hf(config)
     dist.barrier()
 
@@ -109,17 +123,42 @@ def timed(times: dict, key: str, fn, *args):
     return result
 
 
-def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest) -> Rollout:
-    """The task's prompt stream and verifier with the configured backend on the ranks that hold one
-    (SGLang: rank 0; megatron: every rank)."""
-    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
-    task = load_task(config.rollout.task, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
-                     config.seed)
-    backend = None
+def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest, prepared: Prepared,
+                 stack: contextlib.ExitStack) -> Rollout:
+    """The prompt stream, the reward pool (rank 0; closed by `stack`) and the configured backend on the
+    ranks that hold one (SGLang: rank 0; megatron: every rank)."""
+    backend, scorer = None, None
     if config.rollout.backend == "megatron" or dist.get_rank() == 0:
-        backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size, tokenizer=tokenizer,
-                               pgs=policy.pgs)
-    return Rollout(backend, task, config.gspo, stop)
+        pool = None
+        if dist.get_rank() == 0:
+            r = config.reward
+            pool = stack.enter_context(RewardPool(r.fn, workers=r.workers, timeout_s=r.timeout_s))
+        backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size,
+                               tokenizer=prepared.tokenizer, pgs=policy.pgs)
+        scorer = Scorer(pool, config.reward, collective=backend.collective)
+    if dist.get_rank() == 0:
+        d = prepared.dataset
+        print(f"data: {len(d)} training prompts from {', '.join(d.paths)}"
+              + (f" ({d.skipped} longer than data.max_prompt_tokens skipped)" if d.skipped else "")
+              + "".join(f"; eval {name}: {len(p)} prompts" for name, p in prepared.eval_sets.items()), flush=True)
+    return Rollout(backend, prepared.dataset, scorer, config, stop, prepared.eval_sets)
+
+
+def eval_due(config: TrainConfig, step: int, stopping: bool) -> bool:
+    """Every eval.interval rollout steps and at the last step (not when stopping on a signal)."""
+    interval = config.eval.interval
+    return bool(interval) and not stopping and (step % interval == 0 or step == config.num_steps)
+
+
+def log_eval(logger: MetricsLogger | None, config: TrainConfig, step: int, results: dict) -> None:
+    """Rank 0: one record of eval/* metrics at optimizer step step * num_minibatches (the last optimizer
+    step of rollout step `step`; 0 before training) and a line per dataset."""
+    if logger is not None and results:
+        logger.log(step * config.gspo.num_minibatches, {"rollout_step": step, **results})
+        k = config.eval.samples_per_prompt
+        for name in config.eval.datasets:
+            print(f"eval {name} after step {step}: mean@{k} {results[f'eval/{name}/mean@{k}']:.3f}  "
+                  f"pass@{k} {results[f'eval/{name}/pass@{k}']:.3f}  ({results['eval/time_s']:.1f} s)", flush=True)
 
 
 def open_logger(config: TrainConfig, state: ckpt.TrainerState) -> MetricsLogger:

@@ -28,6 +28,10 @@ METRIC_NAMES: dict[str, str] = {
     "reward_mean_trained": "reward/mean_trained",
     "zero_signal_group_fraction": "reward/zero_signal_group_fraction",
     "zero_signal_group_fraction_trained": "reward/zero_signal_group_fraction_trained",
+    "reward_timeouts": "reward/timeouts",
+    "reward_errors": "reward/errors",
+    "response_truncated_fraction": "rollout/response_truncated_fraction",
+    "data_epoch": "data/epoch",
     # rollout/
     "rollout_groups_generated": "rollout/groups_generated",
     "dynamic_sampling_dropped_groups": "rollout/dynamic_sampling_dropped_groups",
@@ -66,6 +70,8 @@ METRIC_NAMES: dict[str, str] = {
     "time_sync_s": "time/sync_s",
     "time_checkpoint_s": "time/checkpoint_s",
     "time_step_s": "time/step_s",
+    "time_reward_wait_s": "time/reward_wait_s",
+    "time_eval_s": "time/eval_s",
     "train_time_s": "time/minibatch_train_s",
     "recompute_time_s": "time/minibatch_recompute_s",
 }
@@ -169,7 +175,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """RUN_DIR/metrics.png: reward, clipped fraction and response length over steps.
+    """RUN_DIR/metrics.png: reward, clipped fraction and response length over steps, and the held-out
+    eval scores (eval/NAME/mean@k) when the run evaluated.
 
     Returns the PNG's path, or None (with a warning) when matplotlib is not installed.
     """
@@ -182,11 +189,16 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
                       f"the numbers are in {Path(run_dir) / METRICS_FILE}")
         return None
     records = read_metrics(run_dir)
-    fig, axes = plt.subplots(len(PLOTTED), 1, figsize=(7, 2.4 * len(PLOTTED)), sharex=True)
-    for ax, (key, label) in zip(axes, PLOTTED):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if points:
-            ax.plot(*zip(*points), marker=".", linewidth=1)
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and "/mean@" in k})
+    panels = [*PLOTTED, *(((tuple(eval_keys), "held-out eval (mean@k)"),) if eval_keys else ())]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True)
+    for ax, (keys, label) in zip(axes, panels):
+        for key in (keys,) if isinstance(keys, str) else keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), marker=".", linewidth=1, label=None if isinstance(keys, str) else key)
+        if not isinstance(keys, str):
+            ax.legend(fontsize=7)
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("optimizer step")

@@ -1,14 +1,35 @@
 """Checks that need the file system or the package's registries, run before any work starts
-(config.py checks values only and knows nothing of the package)."""
+(config.py checks values only and knows nothing of the package).
+
+`preflight` also opens the training and eval datasets (data/): a bad file, a missing key on row N or
+an empty dataset is an error naming them before any process group starts, and the opened datasets
+are what the run uses.
+"""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.rewards.verifiers import load_reward_fn
 from megatron_gspo.rollout.megatron_backend import check_sampling
-from megatron_gspo.tasks import TASKS
+from megatron_gspo.samples import Prompt
+
+
+@dataclass
+class Prepared:
+    """What preflight opened: the run uses these."""
+
+    tokenizer: object
+    dataset: PromptDataset
+    """The training prompts (data.train)."""
+    eval_sets: dict[str, list[Prompt]]
+    """eval.datasets: name -> the prompts evaluated (the first eval.max_prompts)."""
 
 
 def _writable(path: str, name: str) -> None:
@@ -21,18 +42,19 @@ def _writable(path: str, name: str) -> None:
         raise ValueError(f"{name}: cannot write to {path!r} ({e.strerror or e})") from None
 
 
-def preflight(config: TrainConfig) -> None:
-    """Raise ValueError naming the setting when a path the run needs is missing or not writable, or a
-    named preset or task does not exist."""
+def preflight(config: TrainConfig) -> Prepared:
+    """Raise ValueError naming the setting when a path the run needs is missing or not writable, a
+    named preset or reward function does not exist, or a dataset is bad (data.DataError); else the
+    opened datasets."""
     model = config.model
     if model.preset is not None and model.preset not in PRESETS:
         raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
-    if config.rollout.task not in TASKS:
-        raise ValueError(f"rollout.task must be one of {sorted(TASKS)}, got {config.rollout.task!r}")
     if config.rollout.backend == "megatron":
         check_sampling(config.sampling)
+        if config.eval.datasets and config.eval.temperature <= 0:
+            raise ValueError(f"eval.temperature must be > 0 with rollout.backend=megatron, got {config.eval.temperature}")
     if model.hf_path is None:
-        raise ValueError("model.hf_path is required to train: the task's prompts need its tokenizer "
+        raise ValueError("model.hf_path is required to train: the prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")
     if not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
@@ -44,3 +66,21 @@ def preflight(config: TrainConfig) -> None:
     _writable(config.logging.run_dir, "logging.run_dir")
     if config.checkpoint.export_hf is not None:
         _writable(str(Path(config.checkpoint.export_hf).resolve().parent), "checkpoint.export_hf")
+    if not config.data.train:
+        raise ValueError("data.train is required to train: a .jsonl/.parquet prompt file or a save_to_disk "
+                         "directory (see README, 'Train on your own data')")
+    try:
+        load_reward_fn(config.reward.fn)
+    except ValueError as e:
+        raise ValueError(f"reward.fn: {e}") from None
+    return open_datasets(config)
+
+
+def open_datasets(config: TrainConfig) -> Prepared:
+    """The tokenizer of model.hf_path, the training prompts and the eval prompts."""
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
+    dataset = open_prompt_dataset(config.data.train, config.data, tokenizer, seed=config.seed)
+    eval_sets = {name: open_prompt_dataset([path], config.data, tokenizer, seed=config.seed,
+                                           field=f"eval.datasets.{name}").eval_prompts(config.eval.max_prompts)
+                 for name, path in config.eval.datasets.items()}
+    return Prepared(tokenizer, dataset, eval_sets)

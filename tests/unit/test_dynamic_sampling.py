@@ -4,7 +4,9 @@ import asyncio
 import pytest
 
 from megatron_gspo.rollout.client import RolloutStats
-from megatron_gspo.rollout.rewards import math_verify
+from megatron_gspo.config import RewardConfig
+from megatron_gspo.rewards.pool import RewardPool
+from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.rollout.batch_filling import PromptsExhausted, collect_scored_groups, has_signal
 from megatron_gspo.samples import Prompt, Sample
 
@@ -14,7 +16,7 @@ G = 4
 def fake_generate(calls):
     """Group k's sample i answers "1" when (k % 3 == 0 -> always, k % 3 == 1 -> never, else -> i even):
     so groups 0, 3, 6, ... and 1, 4, 7, ... have zero variance, 2, 5, 8, ... have signal."""
-    async def generate(prompts):
+    async def generate(prompts, on_group=None):
         calls.append([p.group_id for p in prompts])
         groups = []
         for p in prompts:
@@ -27,11 +29,23 @@ def fake_generate(calls):
     return generate
 
 
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool("math", workers=2) as pool:
+        yield pool
+
+
+@pytest.fixture
+def math_verify(pool):
+    """The math verifier in the reward pool, as the rollout scores."""
+    return Scorer(pool, RewardConfig(fn="math"))
+
+
 def prompt_stream(k):
     return iter([Prompt(group_id=i, prompt_ids=[i + 1]) for i in range(k)])
 
 
-def test_drop_and_refill():
+def test_drop_and_refill(math_verify):
     calls = []
     batch = asyncio.run(collect_scored_groups(fake_generate(calls), prompt_stream(100), 3, math_verify,
                                               drop_zero_variance=True, oversample=2.0))
@@ -47,7 +61,7 @@ def test_drop_and_refill():
     assert batch.metrics()["rollout_tokens_per_s"] == 12.0
 
 
-def test_rounds_are_capped():
+def test_rounds_are_capped(math_verify):
     calls = []
     batch = asyncio.run(collect_scored_groups(fake_generate(calls), prompt_stream(100), 3, math_verify,
                                               drop_zero_variance=True, oversample=2.0, max_prompts_per_round=4))
@@ -56,7 +70,7 @@ def test_rounds_are_capped():
     assert [g[0].group_id for g in batch.groups] == [2, 5, 8] and batch.surplus_group_ids == [11]
 
 
-def test_metrics_are_over_every_generated_sample():
+def test_metrics_are_over_every_generated_sample(math_verify):
     """The kept groups all have signal (mean 0.5 here); reward_mean is the policy's: every sample."""
     batch = asyncio.run(collect_scored_groups(fake_generate([]), prompt_stream(100), 3, math_verify,
                                               drop_zero_variance=True, oversample=2.0))
@@ -73,7 +87,7 @@ def test_metrics_are_over_every_generated_sample():
     assert plain["zero_signal_group_fraction"] == plain["zero_signal_group_fraction_trained"] == 3 / 4
 
 
-def test_padding_after_max_rounds():
+def test_padding_after_max_rounds(math_verify):
     """A policy with signal on no prompt: after max_rounds the batch is filled with dropped groups
     (zero advantage, so they change nothing), reported as padding, instead of failing."""
     calls = []
@@ -88,20 +102,20 @@ def test_padding_after_max_rounds():
     assert m["dynamic_sampling_padded_groups"] == 2.0 and m["rollout_groups_generated"] == 8
 
 
-def test_without_dynamic_sampling_everything_is_kept():
+def test_without_dynamic_sampling_everything_is_kept(math_verify):
     calls = []
     batch = asyncio.run(collect_scored_groups(fake_generate(calls), prompt_stream(100), 4, math_verify))
     assert calls == [[0, 1, 2, 3]] and batch.num_dropped == 0
     assert [s.reward for s in batch.groups[0]] == [1.0] * G
 
 
-def test_surplus_groups_are_reported():
+def test_surplus_groups_are_reported(math_verify):
     batch = asyncio.run(collect_scored_groups(fake_generate([]), iter([Prompt(2, [1]), Prompt(5, [1])]), 1,
                                               math_verify, drop_zero_variance=True, oversample=2.0))
     assert [g[0].group_id for g in batch.groups] == [2] and batch.surplus_group_ids == [5]
 
 
-def test_prompts_running_out_is_an_error():
+def test_prompts_running_out_is_an_error(math_verify):
     # prompts 0..4: only group 2 has signal; 0, 1, 3, 4 are dropped.
     with pytest.raises(PromptsExhausted, match="1 of 2 groups .*4 zero-variance groups dropped"):
         asyncio.run(collect_scored_groups(fake_generate([]), prompt_stream(5), 2, math_verify,

@@ -73,8 +73,9 @@ def test_config_errors_for_the_megatron_backend(tmp_path):
 
     with pytest.raises(ValueError, match="sampling.top_p < 1 needs sampling.top_k >= 1 with rollout.backend=megatron"):
         preflight(load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9"]))
-    # A preset is a shape without a tokenizer: the task cannot encode its prompts.
-    config = load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", f"logging.run_dir={tmp_path}"])
+    # A preset is a shape without a tokenizer: the prompts cannot be encoded.
+    config = load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", f"logging.run_dir={tmp_path}",
+                                "data.train=examples/data/arithmetic/train.jsonl"])
     with pytest.raises(ValueError, match="model.hf_path is required to train"):
         preflight(config)
 

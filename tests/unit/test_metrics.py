@@ -65,6 +65,7 @@ def test_plot_writes_a_png(tmp_path):
         for step in range(1, 5):
             log.log(step, {"reward/mean": step / 4, "loss/clipped_fraction_seq": 0.0,
                            "rollout/response_length_mean": 3.0})
+        log.log(4, {"rollout_step": 1, "eval/held_out/mean@4": 0.5})  # an eval record gets its own panel
     path = plot(tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -72,7 +73,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_every_metric_has_one_namespaced_name():
     logged = list(METRIC_NAMES.values())
     assert len(set(logged)) == len(logged)                          # no two metrics share a logged name
-    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time"} for name in logged)
+    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time", "data"} for name in logged)
     with pytest.raises(KeyError, match="without a logged name in METRIC_NAMES: \\['made_up'\\]"):
         namespaced({"reward_mean": 1.0, "made_up": 2.0})
 

@@ -4,19 +4,38 @@ import os
 import pytest
 
 from megatron_gspo.config import load_config
+from megatron_gspo.data import DataError, write_arithmetic_data
 from megatron_gspo.training.preflight import preflight
+from tests.tiny_hf import fake_hf_dir
 
 
 def config(tmp_path, *overrides):
+    train, test = write_arithmetic_data(tmp_path / "data")
     return load_config(None, [f"model.hf_path={tmp_path / 'hf'}", f"logging.run_dir={tmp_path / 'run'}",
-                              *overrides])
+                              f"data.train={train}", f"eval.datasets.held_out={test}", *overrides])
 
 
 def test_ok(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}"))
+    fake_hf_dir(tmp_path / "hf")
+    prepared = preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "eval.max_prompts=4"))
     assert (tmp_path / "ckpt").is_dir() and not list((tmp_path / "ckpt").iterdir())
+    assert len(prepared.dataset) == 45 and len(prepared.eval_sets["held_out"]) == 4
+    first = prepared.eval_sets["held_out"][0]  # "a+b" as a chat message, rendered by the tiny template
+    assert first.prompt.endswith("=") and prepared.tokenizer.decode(first.prompt_ids) == first.prompt
+
+
+def test_data_and_reward_errors_come_before_any_work(tmp_path):
+    fake_hf_dir(tmp_path / "hf")
+    with pytest.raises(ValueError, match="data.train is required"):
+        preflight(load_config(None, [f"model.hf_path={tmp_path / 'hf'}", f"logging.run_dir={tmp_path / 'run'}"]))
+    with pytest.raises(ValueError, match="reward.fn: .*no_such_module"):
+        preflight(config(tmp_path, "reward.fn=no_such_module:score"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl.*row 1.*answer"):
+        preflight(config(tmp_path, f"eval.datasets.broken={bad}"))
+    with pytest.raises(ValueError, match="eval.temperature must be > 0 with rollout.backend=megatron"):
+        preflight(config(tmp_path, "rollout.backend=megatron", "eval.temperature=0"))
 
 
 def test_missing_model(tmp_path):
@@ -59,11 +78,7 @@ def test_export_under_a_file(tmp_path):
                          f"checkpoint.export_hf={tmp_path / 'file' / 'hf_final'}"))
 
 
-def test_unknown_preset_and_task_are_named(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"rollout.task must be one of \['arithmetic'\], got 'sudoku'"):
-        preflight(config(tmp_path, "rollout.task=sudoku"))
+def test_unknown_preset_is_named(tmp_path):
     bad_preset = load_config(None, ["model.preset=tiny_large", "rollout.backend=megatron",
                                     f"logging.run_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match="model.preset must be one of .*got 'tiny_large'"):

@@ -8,9 +8,11 @@ import types
 import pytest
 import torch.distributed as dist
 
-from megatron_gspo.config import GSPOConfig
+from megatron_gspo.config import GSPOConfig, ModelConfig, RewardConfig, TrainConfig
+from megatron_gspo.rewards.pool import RewardPool
+from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.rollout.client import RolloutError, RolloutStats
-from megatron_gspo.rollout.manager import Rollout
+from megatron_gspo.rollout.manager import Ended, Rollout
 from megatron_gspo.net import free_port
 from megatron_gspo.samples import Prompt, Sample
 
@@ -27,18 +29,35 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-class Task:
-    """Prompt k is "k"; a response is right when its text is "1"."""
+class Prompts:
+    """Prompt k is "k" (a PromptDataset's stream, endless); a response is right when its text is "1"."""
 
     def prompts(self, start):
         k = start
         while True:
-            yield Prompt(group_id=k, prompt_ids=[k + 1])
+            yield Prompt(group_id=k, prompt_ids=[k + 1], answer="1")
             k += 1
 
     @staticmethod
-    def reward(sample):
-        return float(sample.response_text == "1")
+    def epoch_of(position):
+        return position // 100
+
+
+POOL: list[RewardPool] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pool():
+    with RewardPool("exact_match", workers=1) as pool:
+        POOL.append(pool)
+        yield pool
+        POOL.clear()
+
+
+def make_rollout(backend, stop_signal) -> Rollout:
+    """A Rollout over the endless prompts above, scored by exact_match in the reward pool."""
+    scorer = Scorer(POOL[0], RewardConfig(fn="exact_match"), collective=bool(backend and backend.collective))
+    return Rollout(backend, Prompts(), scorer, CONFIG, stop_signal)
 
 
 class Backend:
@@ -46,11 +65,12 @@ class Backend:
         self.collective, self.fail = collective, fail
         self.pushed = []
 
-    async def generate(self, prompts):
+    async def generate(self, prompts, *, n=None, sampling=None, on_group=None):
         if self.fail:
             raise self.fail
         groups = [[Sample(group_id=p.group_id, sample_index=i, prompt_ids=p.prompt_ids, response_ids=[7],
-                          rollout_logprobs=[-0.5], finish_reason="stop", response_text=str(i), weight_version="3")
+                          rollout_logprobs=[-0.5], finish_reason="stop", response_text=str(i), weight_version="3",
+                          answer=p.answer)
                    for i in range(G)] for p in prompts]
         return groups, RolloutStats(elapsed_s=1.0, response_tokens=len(prompts) * G)
 
@@ -67,11 +87,11 @@ def stop(signal_name=None):
     return types.SimpleNamespace(signal_name=signal_name)
 
 
-GSPO = GSPOConfig(group_size=G, prompts_per_step=3, num_minibatches=1)
+CONFIG = TrainConfig(model=ModelConfig(hf_path="unused"), gspo=GSPOConfig(group_size=G, prompts_per_step=3, num_minibatches=1))
 
 
 def test_a_batch_from_the_stream_position_with_its_metrics():
-    batch = Rollout(Backend(), Task(), GSPO, stop()).generate(5)
+    batch = make_rollout(Backend(), stop()).generate(5)
     assert [g[0].group_id for g in batch.scored.groups] == [5, 6, 7] and batch.next_position == 8
     assert batch.scored.rewards == [0.0, 1.0] * 3
     metrics = batch.metrics()
@@ -82,11 +102,11 @@ def test_a_batch_from_the_stream_position_with_its_metrics():
 def test_a_failure_raises_unless_a_stop_signal_came_first():
     broken = Backend(fail=RolloutError("server gone"))
     with pytest.raises(RolloutError, match="server gone"):
-        Rollout(broken, Task(), GSPO, stop()).generate(0)
-    assert Rollout(broken, Task(), GSPO, stop("SIGTERM")).generate(0) is None  # interrupted, plainly
+        make_rollout(broken, stop()).generate(0)
+    assert make_rollout(broken, stop("SIGTERM")).generate(0) == Ended("signal")  # interrupted, plainly
     # the trained model as sampler has no servers that a signal could take down: always an error
     with pytest.raises(RolloutError):
-        Rollout(Backend(collective=True, fail=RolloutError("bug")), Task(), GSPO, stop("SIGTERM")).generate(0)
+        make_rollout(Backend(collective=True, fail=RolloutError("bug")), stop("SIGTERM")).generate(0)
 
 
 def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
@@ -98,16 +118,16 @@ def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
             yield name, None
 
     backend = Backend()
-    assert Rollout(backend, Task(), GSPO, stop()).sync_weights(export, "4") is True
+    assert make_rollout(backend, stop()).sync_weights(export, "4") is True
     assert backend.pushed == [("4", ["a", "b", "c"])]
     walked.clear()
-    assert Rollout(None, Task(), GSPO, stop()).sync_weights(export, "4") is True  # a rank without a backend
+    assert make_rollout(None, stop()).sync_weights(export, "4") is True  # a rank without a backend
     assert walked == ["a", "b", "c"]                                              # still walks the export
     walked.clear()
-    broken = Rollout(Backend(fail=RuntimeError("refused")), Task(), GSPO, stop("SIGTERM"))
+    broken = make_rollout(Backend(fail=RuntimeError("refused")), stop("SIGTERM"))
     assert broken.sync_weights(export, "5") is False and walked == ["a", "b", "c"]
     with pytest.raises(RuntimeError, match="refused"):
-        Rollout(Backend(fail=RuntimeError("refused")), Task(), GSPO, stop()).sync_weights(export, "5")
+        make_rollout(Backend(fail=RuntimeError("refused")), stop()).sync_weights(export, "5")
     walked.clear()
-    assert Rollout(Backend(collective=True), Task(), GSPO, stop()).sync_weights(export, "6") is True
+    assert make_rollout(Backend(collective=True), stop()).sync_weights(export, "6") is True
     assert walked == []  # the trained model samples: nothing to export

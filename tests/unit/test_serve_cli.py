@@ -16,6 +16,7 @@ from megatron_gspo import cli
 from megatron_gspo.rollout.serve import wait_for_servers
 from megatron_gspo.net import free_port
 from megatron_gspo.rollout.server import _group_alive
+from tests.tiny_hf import fake_hf_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,8 +103,7 @@ def test_wait_for_servers_returns_when_all_answer_and_names_the_missing_one():
 
 @pytest.fixture
 def train_args(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    fake_hf_dir(tmp_path / "hf")
     return [str(REPO / "examples/tiny_cpu.yaml"), f"model.hf_path={tmp_path / 'hf'}",  # TP2: world size 2
             f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run' / 'ckpt'}"]
 

@@ -1,0 +1,68 @@
+"""Held-out evaluation: k responses per prompt of each eval dataset, scored by the training reward.
+
+    results = await evaluate(generate, {"aime24": prompts}, scorer, sampling, k=32)
+    results["eval/aime24/mean@32"]      # average pass@1 over the 32 samples (the GSPO paper's AIME'24 number)
+
+Per dataset NAME, with k = eval.samples_per_prompt:
+- `eval/NAME/mean@k`: the mean reward over all k samples of every prompt. With a 0/1 verifier this is
+  the average pass@1 over k samples, the measure the GSPO paper reports (AIME'24: k = 32).
+- `eval/NAME/pass@k`: the unbiased pass@k estimator (Chen et al. 2021) averaged over prompts; a sample
+  is correct when its reward is > 0. With n = k samples per prompt it is the fraction of prompts with at
+  least one correct sample.
+- `eval/NAME/response_length`: mean response length in tokens; `eval/NAME/truncated_fraction`: the
+  share cut by max_new_tokens; `eval/NAME/prompts`: how many prompts were evaluated.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Awaitable, Callable, Mapping, Sequence
+
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.samples import Prompt, Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of P(at least one of k samples is correct) from n samples, c of them correct:
+    1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(name: str, groups: Sequence[Sequence[Sample]], k: int) -> dict[str, float]:
+    """The metrics of one dataset's scored groups (k samples each); see the module doc."""
+    if not groups:
+        raise ValueError(f"eval dataset {name!r}: no prompts were evaluated")
+    rewards = [[s.reward for s in g] for g in groups]
+    if any(r is None for rs in rewards for r in rs):
+        raise ValueError(f"eval dataset {name!r}: unscored samples")
+    if any(len(rs) != k for rs in rewards):
+        raise ValueError(f"eval dataset {name!r}: every prompt needs k={k} samples")
+    samples = [s for g in groups for s in g]
+    prefix = f"eval/{name}"
+    return {f"{prefix}/mean@{k}": sum(sum(rs) for rs in rewards) / (k * len(rewards)),
+            f"{prefix}/pass@{k}": sum(pass_at_k(k, sum(r > 0 for r in rs), k) for rs in rewards) / len(rewards),
+            f"{prefix}/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
+            f"{prefix}/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            f"{prefix}/prompts": float(len(groups))}
+
+
+Generate = Callable[..., Awaitable[tuple[list[list[Sample]], object]]]
+"""A rollout backend's `generate(prompts, n=, sampling=, on_group=)` (rollout/backends.py)."""
+
+
+async def evaluate(generate: Generate, datasets: Mapping[str, Sequence[Prompt]], scorer, sampling: SamplingConfig,
+                   k: int) -> dict[str, float]:
+    """Every dataset's prompts, k samples each with `sampling`, scored by `scorer`
+    (rollout/scoring.py) as the groups finish; the metrics of all datasets, and `eval/time_s`."""
+    start = time.perf_counter()
+    metrics: dict[str, float] = {}
+    for name, prompts in datasets.items():
+        groups, _ = await generate(list(prompts), n=k, sampling=sampling, on_group=scorer.submit)
+        await scorer.score(groups)
+        metrics.update(eval_metrics(name, groups, k))
+    metrics["eval/time_s"] = time.perf_counter() - start
+    return metrics
