@@ -33,7 +33,7 @@ def tiny_moe_dir(tmp_path_factory):
 def common_overrides(hf_dir, run_dir) -> list[str]:
     return [f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
             "checkpoint.interval=2", "num_steps=2", "gspo.prompts_per_step=4", "gspo.group_size=4",
-            "gspo.num_minibatches=2"]
+            "gspo.num_minibatches=2", "eval.samples_per_prompt=4"]
 
 
 def train(hf_dir, run_dir, *overrides) -> list[dict]:
@@ -42,7 +42,25 @@ def train(hf_dir, run_dir, *overrides) -> list[dict]:
                            *args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:]
+    return training_records(run_dir)
+
+
+def all_records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def training_records(run_dir) -> list[dict]:
+    """The optimizer steps' records (eval records hold eval/* metrics only)."""
+    return [r for r in all_records(run_dir) if "loss/value" in r]
+
+
+def check_eval(run_dir: Path, last_step: int) -> None:
+    """The held-out eval of examples/tiny_moe_cpu.yaml (10 prompts, k=4 here) before training and at the end."""
+    evals = [r for r in all_records(run_dir) if "eval/held_out/mean@4" in r]
+    assert [(r["step"], r["rollout_step"]) for r in evals] == [(0, 0), (last_step, last_step // 2)]
+    for r in evals:
+        assert 0.0 <= r["eval/held_out/mean@4"] <= r["eval/held_out/pass@4"] <= 1.0
+        assert r["eval/held_out/prompts"] == 10 and r["eval/held_out/response_length"] >= 1
 
 
 def check_run(records: list[dict], run_dir: Path) -> None:
@@ -71,6 +89,7 @@ def check_run(records: list[dict], run_dir: Path) -> None:
 def test_two_steps_with_in_process_rollouts(tiny_moe_dir, tmp_path, layout):
     records = train(tiny_moe_dir, tmp_path / "run", *LAYOUTS[layout])
     check_run(records, tmp_path / "run")
+    check_eval(tmp_path / "run", last_step=4)
 
 
 @pytest.mark.distributed

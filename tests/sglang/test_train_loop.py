@@ -37,8 +37,15 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    everything = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in everything if "loss/value" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # 2 rollout steps x 2 mini-batches
+    # The held-out eval (examples/tiny_cpu.yaml: 10 prompts x 16 samples) before training and at the end.
+    evals = [r for r in everything if "eval/held_out/mean@16" in r]
+    assert [(r["step"], r["rollout_step"]) for r in evals] == [(0, 0), (4, 2)], everything
+    assert all(0 <= r["eval/held_out/mean@16"] <= r["eval/held_out/pass@16"] <= 1 and r["eval/held_out/prompts"] == 10
+               for r in evals)
+    assert "eval held_out after step 2: mean@16" in proc.stdout
     assert all(0.0 <= r["reward/mean"] <= 1.0 and r["loss/clipped_fraction_seq"] is not None for r in records)
     # Mini-batch 1 of each step is on-policy (recomputed old log-probs): nothing can be clipped.
     assert records[0]["loss/clipped_fraction_seq"] == records[2]["loss/clipped_fraction_seq"] == 0.0
@@ -69,7 +76,7 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model
     run_dir = tmp_path / "run"
     overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
                  f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=100", "num_steps=50",
-                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2", "eval.interval=0",
                  "gspo.dynamic_sampling=false"]  # a random model scores ~0: no extra rounds
     proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
                              *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},

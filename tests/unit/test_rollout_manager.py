@@ -3,6 +3,7 @@
 One process in a gloo world of one (the collectives are then identities): a fake backend stands in for
 SGLang or the in-process sampler.
 """
+import itertools
 import types
 
 import pytest
@@ -54,10 +55,37 @@ def pool():
         POOL.clear()
 
 
-def make_rollout(backend, stop_signal) -> Rollout:
+def make_rollout(backend, stop_signal, dataset=None, eval_sets=None) -> Rollout:
     """A Rollout over the endless prompts above, scored by exact_match in the reward pool."""
     scorer = Scorer(POOL[0], RewardConfig(fn="exact_match"), collective=bool(backend and backend.collective))
-    return Rollout(backend, Prompts(), scorer, CONFIG, stop_signal)
+    return Rollout(backend, dataset or Prompts(), scorer, CONFIG, stop_signal, eval_sets)
+
+
+class FivePrompts(Prompts):
+    """A dataset whose data.epochs end after 5 prompts."""
+
+    def prompts(self, start):
+        return itertools.takewhile(lambda p: p.group_id < 5, super().prompts(start))
+
+
+def test_used_up_data_ends_the_run_plainly():
+    rollout = make_rollout(Backend(), stop(), dataset=FivePrompts())
+    assert rollout.generate(0).next_position == 3  # 3 prompts per step
+    assert rollout.generate(3) == Ended("data")    # 2 left: not a full batch
+
+
+def test_evaluate_scores_k_samples_per_eval_prompt():
+    """The backend answers str(i) for sample i: with k = 2 samples, sample 1 is right ("1")."""
+    eval_sets = {"held_out": [Prompt(group_id=i, prompt_ids=[9], answer="1") for i in range(4)]}
+    results = make_rollout(Backend(), stop(), eval_sets=eval_sets).evaluate()
+    k = CONFIG.eval.samples_per_prompt
+    assert k == 1 and results["eval/held_out/mean@1"] == 0.0  # only sample 0 ("0"): always wrong
+    two = make_rollout(Backend(), stop(), eval_sets=eval_sets)
+    two.eval_k = 2
+    results = two.evaluate()
+    assert results["eval/held_out/mean@2"] == 0.5 and results["eval/held_out/pass@2"] == 1.0
+    assert results["eval/held_out/prompts"] == 4 and results["eval/held_out/truncated_fraction"] == 0.0
+    assert make_rollout(Backend(), stop()).evaluate() == {}  # no eval sets
 
 
 class Backend:
@@ -71,7 +99,9 @@ class Backend:
         groups = [[Sample(group_id=p.group_id, sample_index=i, prompt_ids=p.prompt_ids, response_ids=[7],
                           rollout_logprobs=[-0.5], finish_reason="stop", response_text=str(i), weight_version="3",
                           answer=p.answer)
-                   for i in range(G)] for p in prompts]
+                   for i in range(n or G)] for p in prompts]
+        for group in groups if on_group else ():
+            on_group(group)
         return groups, RolloutStats(elapsed_s=1.0, response_tokens=len(prompts) * G)
 
     def sync_weights(self, named_tensors, version):
