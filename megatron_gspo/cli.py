@@ -5,7 +5,7 @@ server in the foreground, for rollout nodes), `wait-servers` (until given server
 (metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
 `rollout` (offline rollouts from SGLang servers into a samples JSONL file), `score` (one response through a
 reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo's
-prompt files).
+prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -253,6 +253,29 @@ def run_tiny_model(args) -> int:
     return 0
 
 
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the config's eval datasets (no training)",
+                       description="Score k samples per prompt of every eval.datasets entry on the weights in "
+                                   "--checkpoint (SGLang servers launched on them): eval/NAME/mean@k, pass@k, ...")
+    p.add_argument("config", help="YAML config with eval.datasets (and the reward, data keys, sampling)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. eval.samples_per_prompt=32")
+    p.add_argument("--checkpoint", required=True, help="a Hugging Face model directory or a Megatron checkpoint")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args) -> int:
+    import json
+
+    from megatron_gspo.config import load_config
+    from megatron_gspo.training.evaluate_checkpoint import evaluate_checkpoint
+
+    results = evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint)
+    for key, value in results.items():
+        print(f"{key}\t{value:.4f}")
+    print(json.dumps(results))
+    return 0
+
+
 def _make_data_parser(sub) -> None:
     p = sub.add_parser("make-data", help="write the demo's prompt files (train.jsonl, test.jsonl)")
     p.add_argument("task", choices=("arithmetic",), help="arithmetic: the 55 single-digit sums, 45 train / 10 test")
@@ -280,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     _rollout_parser(sub)
     add_score_parser(sub)
     _make_data_parser(sub)
+    _eval_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

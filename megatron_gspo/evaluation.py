@@ -18,8 +18,17 @@ import math
 import time
 from typing import Awaitable, Callable, Mapping, Sequence
 
-from megatron_gspo.config import SamplingConfig
+from megatron_gspo.config import SamplingConfig, TrainConfig
 from megatron_gspo.samples import Prompt, Sample
+
+
+def eval_sampling(config: TrainConfig) -> SamplingConfig:
+    """How eval responses are sampled: eval.temperature / top_p / max_new_tokens (default the training
+    sampling's max_new_tokens), the rest as in training."""
+    e, s = config.eval, config.sampling
+    return SamplingConfig(temperature=e.temperature, top_p=e.top_p, top_k=s.top_k,
+                          max_new_tokens=e.max_new_tokens or s.max_new_tokens, stop_token_ids=s.stop_token_ids,
+                          stop=s.stop)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

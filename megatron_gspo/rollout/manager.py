@@ -26,9 +26,9 @@ from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 import torch.distributed as dist
 
-from megatron_gspo.config import SamplingConfig, TrainConfig
+from megatron_gspo.config import TrainConfig
 from megatron_gspo.data import PromptDataset
-from megatron_gspo.evaluation import evaluate
+from megatron_gspo.evaluation import eval_sampling, evaluate
 from megatron_gspo.rollout.backends import RolloutBackend
 from megatron_gspo.rollout.batch_filling import PromptsExhausted, ScoredBatch, collect_scored_groups
 from megatron_gspo.rollout.scoring import Scorer
@@ -75,12 +75,7 @@ class Rollout:
         """This rank's scorer (with the reward pool on rank 0), or None where there is no backend."""
         self.dataset, self.gspo, self.stop = dataset, config.gspo, stop
         self.eval_sets = dict(eval_sets or {})
-        e = config.eval
-        self.eval_k = e.samples_per_prompt
-        self.eval_sampling = SamplingConfig(
-            temperature=e.temperature, top_p=e.top_p, top_k=config.sampling.top_k,
-            max_new_tokens=e.max_new_tokens or config.sampling.max_new_tokens,
-            stop_token_ids=config.sampling.stop_token_ids, stop=config.sampling.stop)
+        self.eval_k, self.eval_sampling = config.eval.samples_per_prompt, eval_sampling(config)
 
     def generate(self, position: int) -> RolloutBatch | Ended:
         """Collective: the batch from prompt-stream position `position` on every rank, or the same

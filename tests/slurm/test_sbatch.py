@@ -131,8 +131,12 @@ def test_requeued_job_resumes_from_its_checkpoint_and_completes(cluster, tiny_mo
     stopped = re.findall(r"stopping on SIGTERM after step (\d+)", text)
     assert stopped and int(resumed[0][1]) == int(stopped[0]), result
     assert 2 <= int(stopped[0]) < steps, f"the signal did not land mid-run (stopped after {stopped[0]}):\n{result}"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    everything = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in everything if "loss/value" in r]  # the optimizer steps' records
     assert [r["step"] for r in records] == list(range(1, steps * K + 1)), "steps missing or logged twice"
+    # Held-out eval (examples/tiny_cpu.yaml): once before training and once at the end, across the requeue.
+    assert [r["rollout_step"] for r in everything if "eval/held_out/mean@16" in r][::-1][:1] == [steps]
+    assert [r["rollout_step"] for r in everything if "eval/held_out/mean@16" in r][0] == 0
     assert [r["rollout_step"] for r in records] == [s for s in range(1, steps + 1) for _ in range(K)]
     assert checkpointed_step(run_dir) == steps
     assert (run_dir / "checkpoints" / f"iter_{steps:07d}" / "trainer.pt").is_file()
