@@ -64,6 +64,14 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     learned = any(r["train/grad_norm"] > 0 for r in records)
     assert any(not torch.equal(exported[k], initial[k]) for k in exported) == learned, records
     assert (run_dir / "hf_final" / "config.json").read_text() == (Path(tiny_model_dir) / "config.json").read_text()
+    # `megatron-gspo eval` on the run's Megatron checkpoint (converted, served by SGLang) alone.
+    evaluated = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "eval", str(REPO / "examples/tiny_cpu.yaml"),
+                                f"model.hf_path={tiny_model_dir}", "eval.samples_per_prompt=4",
+                                "--checkpoint", str(run_dir / "ckpt")], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stdout[-4000:]
+    results = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert results["eval/held_out/prompts"] == 10 and 0 <= results["eval/held_out/mean@4"] <= results["eval/held_out/pass@4"] <= 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

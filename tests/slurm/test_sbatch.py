@@ -155,7 +155,8 @@ def test_time_limit_signal_checkpoints_then_the_job_requeues_itself(cluster, tin
     steps = 10  # enough that the signal lands before the end (see the module docstring)
     job = submit(cluster, run_dir, tiny_model, f"num_steps={steps} checkpoint.interval=100")
     metrics = run_dir / "metrics.jsonl"
-    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= K, 420, "step 1", log)
+    wait_until(lambda: metrics.exists() and sum('"loss/value"' in line for line in metrics.read_text().splitlines()) >= K,
+               420, "step 1", log)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster, check=True, timeout=30)
     release_requeued(cluster, job, log)
     result = wait_job(cluster, job, 480, log)
