@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -41,6 +42,12 @@ class Sample:
     """Reference answer for the reward, when the prompt file has one."""
     metadata: dict | None = None
     """The prompt's `data.metadata_keys` fields, for the reward function."""
+    routed_experts: Any = None
+    """MoE routing the rollout engine used (gspo.routing_replay=rollout), or None: an integer array
+    [P + R - 1, L, k] (numpy, uint8 when the model has <= 256 experts, else int16): for every input
+    position of prompt + response except the last response token (which is never fed back), for
+    each of the model's L layers, the k experts its router picked. Position p is the token whose
+    hidden state predicts token p + 1, as in training/packing.py's rows."""
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.rollout_logprobs):
