@@ -143,6 +143,11 @@ class GSPOConfig:
     """Added to the group std before dividing."""
     dynamic_sampling: bool = False
     """Drop zero-signal groups (all rewards equal) and sample more prompts to refill the batch."""
+    routing_replay: Literal["off", "old", "rollout"] = "off"
+    """MoE Routing Replay (arXiv 2507.18071 section 4.3; MoE models only): off; old (R2: the routing
+    recorded while recomputing pi_old's log-probs is replayed in every training forward of the
+    mini-batch); rollout (R3: the rollout engine's routing, carried in each sample, is replayed in the
+    recompute pass and the training forwards). The paper's GRPO baseline on MoE needs it; GSPO does not."""
 
     def __post_init__(self):
         for name in ("eps_low", "eps_high"):
@@ -154,6 +159,11 @@ class GSPOConfig:
         _positive("gspo", self, "num_minibatches", "group_size", "prompts_per_step")
         if self.advantage_std == "sample":
             _check(self.group_size >= 2, "gspo.group_size", "must be >= 2 with advantage_std=sample", self.group_size)
+        _check(self.routing_replay in ("off", "old", "rollout"), "gspo.routing_replay",
+               "must be off, old or rollout", self.routing_replay)
+        _check(self.routing_replay != "old" or self.old_logprobs == "recompute", "gspo.routing_replay",
+               "old replays the routing recorded while recomputing pi_old's log-probs: it needs "
+               "gspo.old_logprobs=recompute", self.routing_replay)
         responses = self.prompts_per_step * self.group_size
         _check(responses % self.num_minibatches == 0, "gspo.num_minibatches",
                f"must divide prompts_per_step * group_size = {responses}", self.num_minibatches)

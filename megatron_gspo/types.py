@@ -26,6 +26,9 @@ class MicroBatch:
     """Behaviour-policy log-probs of labels_BS (float32); anything where loss_mask is 0."""
     advantages: torch.Tensor
     """[B] one advantage per sequence, or [B, S] per token (gspo_token / grpo)."""
+    routing_BSLk: torch.Tensor | None = None
+    """The rollout engine's MoE routing to replay (gspo.routing_replay=rollout): [B, S, L, k] expert ids
+    of input position s at layer l (uint8/int16); padding positions hold experts 0..k-1. None otherwise."""
 
     @property
     def num_sequences(self) -> int:
@@ -38,8 +41,10 @@ class MicroBatch:
         parts = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            parts[f.name] = split_for_cp(value, cp_size, cp_rank, seq_dim=1) if value.dim() == 2 else value
+            along_s = value is not None and value.dim() >= 2
+            parts[f.name] = split_for_cp(value, cp_size, cp_rank, seq_dim=1) if along_s else value
         return MicroBatch(**parts)
 
     def rows(self, start: int, stop: int) -> "MicroBatch":
-        return MicroBatch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
+                             for f in fields(self)})

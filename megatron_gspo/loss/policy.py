@@ -207,6 +207,8 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
     f64 = lambda x: torch.as_tensor(x, dtype=torch.float64)
     ratio = ratio_S.double()
     inf = torch.tensor(float("inf"), dtype=torch.float64)
+    log_w = seqs.log_ratio_T.detach().double()
+    log_s = (seqs.log_ratio_sum_S.detach() / seqs.count_S.clamp(min=1)).double()
     return {
         "sequences": f64(own.numel() if seqs.owner else 0),
         "sequences_valid": f64(own.sum()),
@@ -219,8 +221,12 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
         "ratio_min": torch.where(own, ratio, inf).min() if own.numel() else inf,
         "ratio_max": torch.where(own, ratio, -inf).max() if own.numel() else -inf,
         "abs_log_ratio_token_sum": torch.where(seqs.mask_T, seqs.log_ratio_T.detach().abs(), 0).sum().double(),
-        "abs_log_ratio_seq_sum": torch.where(
-            own, (seqs.log_ratio_sum_S.detach() / seqs.count_S.clamp(min=1)).abs(), 0).sum().double(),
+        "abs_log_ratio_seq_sum": torch.where(own, log_s.abs(), 0).sum().double(),
+        # Spreads of log w_t (token ratios, GRPO's) and log s_i (sequence ratios, GSPO's): Fig. 3's argument.
+        "log_ratio_token_sum": torch.where(seqs.mask_T, log_w, 0).sum().double(),
+        "log_ratio_token_sq_sum": torch.where(seqs.mask_T, log_w.square(), 0).sum().double(),
+        "log_ratio_seq_sum": torch.where(own, log_s, 0).sum().double(),
+        "log_ratio_seq_sq_sum": torch.where(own, log_s.square(), 0).sum().double(),
     }
 
 
@@ -236,11 +242,21 @@ def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
         "ratio_max": get("ratio_max"),
         "abs_log_ratio_per_token": get("abs_log_ratio_token_sum") / tokens,
         "abs_log_ratio_per_seq": get("abs_log_ratio_seq_sum") / valid,
+        "log_ratio_token_std": _std(get("log_ratio_token_sum"), get("log_ratio_token_sq_sum"), tokens),
+        "log_ratio_seq_std": _std(get("log_ratio_seq_sum"), get("log_ratio_seq_sq_sum"), valid),
         "sequences_empty": get("sequences_empty"),
         "sequences_nonfinite": get("sequences_nonfinite"),
         "response_tokens": get("tokens"),
         **({"entropy": get("entropy_token_sum") / tokens} if "entropy_token_sum" in raw else {}),
     }
+
+
+def _std(total: float, sq_total: float, count: float) -> float:
+    """Population standard deviation from a sum and a sum of squares (0 for fewer than 2 values)."""
+    if count < 2:
+        return 0.0
+    mean = total / count
+    return max(sq_total / count - mean * mean, 0.0) ** 0.5
 
 
 def reduce_metrics(metrics: list[dict[str, torch.Tensor]], group=None) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import Callable, Protocol, Sequence
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import SamplingConfig, TrainConfig
+from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
@@ -98,21 +99,25 @@ class MegatronBackend:
 
     collective = True
 
-    def __init__(self, config: TrainConfig, *, model: list, vocab_size: int, tokenizer, pgs: ProcessGroupCollection):
+    def __init__(self, config: TrainConfig, *, model: list, vocab_size: int, tokenizer, pgs: ProcessGroupCollection,
+                 routing: MoERouting | None = None):
         self.version = "0"
         """The weights that sample next: the rollout step after which they were synced."""
         self._generator = MegatronGenerator(
             model, config.sampling, vocab_size=vocab_size, seed=config.seed,
             stop_token_ids=stop_token_ids(config.model.hf_path, tokenizer),
             max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), pgs=pgs)
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True), pgs=pgs, routing=routing)
         self._group_size = config.gspo.group_size
+        self._record_routing = config.gspo.routing_replay == "rollout"
+        """Training samples carry their routing (R3); eval samples never need it."""
 
     async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
                        on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
         # collective: every rank calls it with the same prompts; the groups all finish together
         groups, stats = self._generator.generate(prompts, n=n or self._group_size, weight_version=self.version,
-                                                 sampling=sampling, noise_tag="" if sampling is None else "eval:")
+                                                 sampling=sampling, noise_tag="" if sampling is None else "eval:",
+                                                 record_routing=self._record_routing and sampling is None)
         for group in groups if on_group is not None else ():
             on_group(group)
         return groups, stats
@@ -125,8 +130,10 @@ class MegatronBackend:
 
 
 def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer,
-                 pgs: ProcessGroupCollection) -> RolloutBackend:
-    """The configured backend (rollout.backend). SGLang: call on rank 0 only; megatron: on every rank."""
+                 pgs: ProcessGroupCollection, routing: MoERouting | None = None) -> RolloutBackend:
+    """The configured backend (rollout.backend). SGLang: call on rank 0 only; megatron: on every rank.
+    `routing`: the MoE model's routers (the megatron backend records them for routing_replay=rollout)."""
     if config.rollout.backend == "megatron":
-        return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer, pgs=pgs)
+        return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer, pgs=pgs,
+                               routing=routing)
     return SGLangBackend(config)

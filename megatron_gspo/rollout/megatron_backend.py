@@ -27,6 +27,14 @@ process groups `pgs`, init_megatron's collection; without one, the model's own):
    same temperature: the function the trainer uses, so rollout and recomputed log-probs agree up to
    float rounding (the batch shapes differ).
 
+MoE routing (gspo.routing_replay=rollout): with `routing` given and `record_routing=True`, every sample
+carries the experts each router picked for each of its input positions (`Sample.routed_experts`), as a
+KV-cache engine would have routed them: the prompt's positions in the first decode step, and each
+response position in the step where it is the newest, the step that samples the next token. Each
+rank scatters what its routers saw (its CP part, its sequence-parallel part, its pipeline stage's
+layers) into the full [rows, positions, layers, k] grid and one sum over the model-parallel and
+context-parallel groups assembles it.
+
 Limits: without a KV cache a response of R tokens costs R forwards of its whole prefix (O(R^2)
 attention and O(R) full passes): meant for short responses and small models (CPU MoE runs, tests),
 not for long reasoning rollouts of large models, which belong on SGLang. No stop strings (token ids
@@ -34,6 +42,7 @@ only). Measured on the tiny Qwen3-MoE (2 busy CPU cores): ~1.6-2k response token
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -50,8 +59,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model.gpt import model_process_groups
+from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.model.schedule import run_schedule
 from megatron_gspo.parallel.collectives import group_rank, group_size
+from megatron_gspo.parallel.context_parallel import split_for_cp
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.rollout.client import RolloutStats
 from megatron_gspo.samples import Prompt, Sample
@@ -190,6 +201,8 @@ class _Row:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
+    routing: list | None = None
+    """[L, k] expert ids per input position so far (record_routing)."""
 
 
 @dataclass
@@ -211,7 +224,8 @@ class MegatronGenerator:
 
     def __init__(self, model: list, sampling: SamplingConfig, *, vocab_size: int, seed: int,
                  stop_token_ids: Sequence[int] = (), max_tokens_per_microbatch: int = 8192,
-                 decode: Callable[[list[int]], str] | None = None, pgs: ProcessGroupCollection | None = None):
+                 decode: Callable[[list[int]], str] | None = None, pgs: ProcessGroupCollection | None = None,
+                 routing: MoERouting | None = None):
         check_sampling(sampling)
         self.model = model
         self.pgs = pgs if pgs is not None else model_process_groups(model)
@@ -227,15 +241,20 @@ class MegatronGenerator:
         self.seed = seed
         self.decode = decode
         """Token ids -> response text (what reward functions read); None leaves response_text empty."""
+        self.routing = routing
+        """The MoE model's routers (model/routing.py), to record the routing of each sample; None: dense."""
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Prompt], n: int, weight_version: str = "0", *,
-                 sampling: SamplingConfig | None = None, noise_tag: str = ""
+                 sampling: SamplingConfig | None = None, noise_tag: str = "", record_routing: bool = False
                  ) -> tuple[list[list[Sample]], RolloutStats]:
         """G = n samples per prompt, in prompt order, on every rank (collective over the world).
 
         `sampling` overrides the generator's settings for this call (evaluation); `noise_tag` is mixed into
-        the sampling noise's key so that eval prompts never reuse training prompts' noise."""
+        the sampling noise's key so that eval prompts never reuse training prompts' noise.
+        `record_routing` (MoE, `routing` given): fill each sample's `routed_experts`."""
+        if record_routing and self.routing is None:
+            raise ValueError("record_routing needs the MoE model's routing (MegatronGenerator(routing=...))")
         settings = self.settings if sampling is None else sampling
         if sampling is not None:
             check_sampling(sampling)
@@ -245,13 +264,14 @@ class MegatronGenerator:
             raise ValueError("a prompt is empty: the first response token needs context")
         start = time.monotonic()
         dp, dp_rank = self.pgs.dp.size(), self.pgs.dp.rank()
-        rows = [_Row(i, j, p.group_id, list(p.prompt_ids), [], [])
+        rows = [_Row(i, j, p.group_id, list(p.prompt_ids), [], [], routing=[] if record_routing else None)
                 for i, p in enumerate(prompts) if i % dp == dp_rank for j in range(n)]
         for position in range(settings.max_new_tokens):
             active = [r for r in rows if r.finish_reason is None]
             if not self._anyone_active(bool(active)):
                 break
-            tokens, logprobs = self._decode_step(active, noise_tag + weight_version, position, settings)
+            tokens, logprobs = self._decode_step(active, noise_tag + weight_version, position, settings,
+                                                 record_routing)
             for row, token, logprob in zip(active, tokens, logprobs):
                 row.response_ids.append(token)
                 row.logprobs.append(logprob)
@@ -260,16 +280,17 @@ class MegatronGenerator:
                 elif len(row.response_ids) == settings.max_new_tokens:
                     row.finish_reason = "length"
         # Every DP rank contributes its prompts' groups; CP ranks of a replica hold the same rows.
-        mine = [(r.prompt_index, r.sample_index, r.response_ids, r.logprobs, r.finish_reason) for r in rows]
+        mine = [(r.prompt_index, r.sample_index, r.response_ids, r.logprobs, r.finish_reason,
+                 _routing_array(r) if record_routing else None) for r in rows]
         parts: list = [None] * dp
         dist.all_gather_object(parts, mine, group=self.pgs.dp)
         groups: list[list[Sample]] = [[None] * n for _ in prompts]  # type: ignore[list-item]
         for part in parts:
-            for prompt_index, index, response_ids, logprobs, finish in part:
+            for prompt_index, index, response_ids, logprobs, finish, routed in part:
                 p = prompts[prompt_index]
                 groups[prompt_index][index] = Sample(
                     group_id=p.group_id, sample_index=index, prompt_ids=list(p.prompt_ids),
-                    response_ids=response_ids, rollout_logprobs=logprobs, finish_reason=finish,
+                    response_ids=response_ids, rollout_logprobs=logprobs, finish_reason=finish, routed_experts=routed,
                     weight_version=weight_version, prompt=p.prompt, answer=p.answer, metadata=p.metadata,
                     response_text=self.decode(_strip_stop(response_ids, self.stop_token_ids))
                     if self.decode else None)
@@ -282,12 +303,16 @@ class MegatronGenerator:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _decode_step(self, active: list[_Row], version: str, position: int, settings: SamplingConfig
-                     ) -> tuple[list[int], list[float]]:
+    def _decode_step(self, active: list[_Row], version: str, position: int, settings: SamplingConfig,
+                     record_routing: bool = False) -> tuple[list[int], list[float]]:
         """Sample the next token of every active row (this DP rank's); all ranks call it together."""
         pp_group = self.pgs.pp
         batch, real_rows = self._pack(active, version, position)
-        outputs = run_schedule(self.model, batch, self._forward_step(settings), pgs=self.pgs, forward_only=True)
+        routing_pass = self.routing.pass_() if record_routing else None
+        outputs = run_schedule(self.model, batch, self._forward_step(settings, routing_pass), pgs=self.pgs,
+                               forward_only=True)
+        if routing_pass is not None:
+            self._keep_routing(active, batch, routing_pass, first_step=position == 0)
         picked = torch.zeros(2, batch.num_microbatches * batch.micro_batch_size, dtype=torch.float64)
         if is_pp_last_stage(pp_group):
             picked[0] = torch.cat([o["tokens"] for o in outputs]).double()
@@ -326,7 +351,27 @@ class MegatronGenerator:
             micro_batches.append((mb, keys[rows]))
         return _DecodeBatch(micro_batches, seq_len, rows_per_mb), len(active)
 
-    def _forward_step(self, settings: SamplingConfig):
+    def _keep_routing(self, active: list[_Row], batch: _DecodeBatch, routing_pass, *, first_step: bool) -> None:
+        """Append to each active row the routing of its newest position (first step: of the whole prompt)."""
+        routing, cp = self.routing, self.pgs.cp
+        rows, seq_len = batch.micro_batch_size, batch.seq_length
+        grid = torch.zeros(batch.num_microbatches, rows, seq_len, routing.num_layers, routing.topk, dtype=torch.int32)
+        where_BS = torch.arange(rows * seq_len).view(rows, seq_len)
+        where_T = routing.router_order(split_for_cp(where_BS, group_size(cp), group_rank(cp), seq_dim=1))
+        for m, per_chunk in enumerate(routing_pass.recorded):
+            flat = grid[m].view(rows * seq_len, routing.num_layers, routing.topk)
+            for routers, recorded in zip(routing.routers, per_chunk):
+                for router, ids in zip(routers, recorded or ()):
+                    flat[where_T, router.layer_number - 1] = ids.to(torch.int32)
+        for group in (self.pgs.mp, cp):  # each (row, position, layer) lives on one rank of these
+            if group.size() > 1:
+                dist.all_reduce(grid, group=group)
+        grid = grid.view(-1, seq_len, routing.num_layers, routing.topk).to(routing.dtype)
+        for b, row in enumerate(active):
+            length = len(row.prompt_ids) + len(row.response_ids)
+            row.routing.extend(grid[b, :length] if first_step else grid[b, length - 1:length])
+
+    def _forward_step(self, settings: SamplingConfig, routing_pass=None):
         """A forward-only step whose logs hold each row's sampled token and its log-prob."""
         tp_group, cp_group = self.pgs.tp, self.pgs.cp
 
@@ -347,9 +392,17 @@ class MegatronGenerator:
             batch, keys_B2 = next(data_iterator)
             batch = batch.for_cp_rank(group_size(cp_group), group_rank(cp_group))
             positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
-            return model(batch.tokens_BS, positions_BS, None), functools.partial(loss_func, batch, keys_B2)
+            with routing_pass.forward(model, batch.loss_mask_BS) if routing_pass else contextlib.nullcontext():
+                output = model(batch.tokens_BS, positions_BS, None)
+            return output, functools.partial(loss_func, batch, keys_B2)
 
         return forward_step
+
+
+def _routing_array(row: _Row):
+    """[P + R - 1, L, k] numpy ids: every input position but the last response token's (never fed)."""
+    length = len(row.prompt_ids) + len(row.response_ids) - 1
+    return torch.stack(row.routing[:length]).numpy()
 
 
 def _strip_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:

@@ -16,6 +16,7 @@ denominator counts tokens, not sequences.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.loss.policy import Algorithm, policy_loss
+from megatron_gspo.model.routing import RoutingPass
 from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.types import MicroBatch
 
@@ -64,18 +66,21 @@ def _entropy_sum(entropy_BS, batch: MicroBatch) -> torch.Tensor:
     return torch.where(batch.loss_mask_BS.bool(), entropy_BS.detach().double(), 0.0).sum()
 
 
-def _run_model(model, batch: MicroBatch):
+def _run_model(model, batch: MicroBatch, routing: RoutingPass | None = None):
+    """The chunk's forward of this micro-batch; MoE routing recorded or replayed by `routing`."""
     positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
-    return model(batch.tokens_BS, positions_BS, None)
+    with routing.forward(model, batch.loss_mask_BS) if routing is not None else contextlib.nullcontext():
+        return model(batch.tokens_BS, positions_BS, None)
 
 
 def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
-                        num_microbatches: int, with_entropy: bool = False):
+                        num_microbatches: int, with_entropy: bool = False, routing: RoutingPass | None = None):
     """A forward step whose gradients are d(loss_sum / num_global_sequences)/d(theta) (see above).
 
     The data iterator yields full-length MicroBatch objects; this step takes its CP rank's part.
     The logs dict carries the unscaled `loss_sum`, `num_sequences` and the policy-loss metrics
     (with_entropy: also `entropy_token_sum`, which costs the float32 backward one exp per logit).
+    `routing` (MoE): records or replays each micro-batch's routing (model/routing.py).
     """
     if num_global_sequences < 1:
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
@@ -98,12 +103,13 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
-        return _run_model(model, batch), functools.partial(loss_func, batch)
+        return _run_model(model, batch, routing), functools.partial(loss_func, batch)
 
     return forward_step
 
 
-def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection):
+def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection,
+                          routing: RoutingPass | None = None):
     """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
     the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward)."""
 
@@ -115,6 +121,6 @@ def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
-        return _run_model(model, batch), functools.partial(loss_func, batch)
+        return _run_model(model, batch, routing), functools.partial(loss_func, batch)
 
     return forward_step

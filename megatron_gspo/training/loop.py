@@ -83,7 +83,7 @@ def train(config: TrainConfig) -> None:
             responses = with_advantages(batch, config)
             # 4. K mini-batches, one optimizer step each.
             records = train_on_batch(policy.model, policy.optimizer, responses, settings, pgs=pgs,
-                                     scheduler=policy.scheduler)
+                                     scheduler=policy.scheduler, routing=policy.routing)
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
             timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))
@@ -134,7 +134,7 @@ def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest, prepare
             r = config.reward
             pool = stack.enter_context(RewardPool(r.fn, workers=r.workers, timeout_s=r.timeout_s))
         backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size,
-                               tokenizer=prepared.tokenizer, pgs=policy.pgs)
+                               tokenizer=prepared.tokenizer, pgs=policy.pgs, routing=policy.routing)
         scorer = Scorer(pool, config.reward, collective=backend.collective)
     if dist.get_rank() == 0:
         d = prepared.dataset

@@ -49,6 +49,8 @@ METRIC_NAMES: dict[str, str] = {
     "ratio_max": "loss/ratio_max",
     "abs_log_ratio_per_token": "loss/abs_log_ratio_per_token",
     "abs_log_ratio_per_seq": "loss/abs_log_ratio_per_seq",
+    "log_ratio_token_std": "loss/log_ratio_token_std",
+    "log_ratio_seq_std": "loss/log_ratio_seq_std",
     "sequences_empty": "loss/sequences_empty",
     "sequences_nonfinite": "loss/sequences_nonfinite",
     # train/: one optimizer step (training/step.py)
@@ -63,6 +65,9 @@ METRIC_NAMES: dict[str, str] = {
     "update_successful": "train/update_successful",
     "microbatches": "train/microbatches",
     "train_tokens_per_s": "train/tokens_per_s",
+    # moe/: MoE routing vs pi_old's (training/step.py, model/routing.py); per layer: METRIC_PREFIXES
+    "moe_routing_changed_fraction": "moe/routing_changed_fraction",
+    "moe_routing_rollout_changed_fraction": "moe/routing_rollout_changed_fraction",
     # time/: the rollout step's phases (the driver), and this optimizer step's own share
     "time_rollout_s": "time/rollout_s",
     "time_recompute_s": "time/recompute_s",
@@ -75,7 +80,12 @@ METRIC_NAMES: dict[str, str] = {
     "train_time_s": "time/minibatch_train_s",
     "recompute_time_s": "time/minibatch_recompute_s",
 }
-"""Computed (and pre-namespace) name -> logged name. Every logged metric is listed here."""
+"""Computed (and pre-namespace) name -> logged name. Every logged metric is listed here or in METRIC_PREFIXES."""
+
+METRIC_PREFIXES: dict[str, str] = {
+    "moe_routing_changed_fraction_layer_": "moe/routing_changed_fraction/layer_",
+}
+"""Families of metrics, one per model layer: computed prefix + NN -> logged prefix + NN."""
 
 PLOTTED = (("reward/mean", "mean reward"), ("loss/clipped_fraction_seq", "clipped fraction (sequences)"),
            ("rollout/response_length_mean", "mean response length (tokens)"))
@@ -84,10 +94,16 @@ PLOTTED = (("reward/mean", "mean reward"), ("loss/clipped_fraction_seq", "clippe
 def namespaced(metrics: dict) -> dict:
     """`metrics` under their logged names; a name missing from METRIC_NAMES is an error, so that every
     metric is documented."""
-    unknown = sorted(set(metrics) - set(METRIC_NAMES))
-    if unknown:
-        raise KeyError(f"metrics without a logged name in METRIC_NAMES: {unknown}")
-    return {METRIC_NAMES[k]: v for k, v in metrics.items()}
+    return {_logged_name(k): v for k, v in metrics.items()}
+
+
+def _logged_name(name: str) -> str:
+    if name in METRIC_NAMES:
+        return METRIC_NAMES[name]
+    for prefix, logged in METRIC_PREFIXES.items():
+        if name.startswith(prefix):
+            return logged + name[len(prefix):]
+    raise KeyError(f"metric without a logged name in METRIC_NAMES or METRIC_PREFIXES: {name!r}")
 
 
 def _clean(value):

@@ -49,6 +49,7 @@ class Trainable(Protocol):
     """The sampler's log-prob of each response token, or None (then old log-probs are recomputed)."""
     advantage: float | Sequence[float]
     """One advantage for the response, or one per response token."""
+    # Optional: `routed_experts` (samples.Sample's), the rollout engine's MoE routing, read with getattr.
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Response:
     response_ids: Sequence[int]
     advantage: float | Sequence[float]
     rollout_logprobs: Sequence[float] | None = None
+    routed_experts: object = None
+    """[P + R - 1, L, k] expert ids per input position (samples.Sample.routed_experts), or None."""
 
 
 @dataclass
@@ -159,6 +162,24 @@ def plan_microbatches(lengths: Sequence[int], *, dp_size: int, max_tokens: int,
     return [_split_to(c, count) for c in chunked]
 
 
+def routing_rows(responses: Sequence[Trainable], length: int) -> torch.Tensor:
+    """[B, length, L, k] rollout routing of `responses` (each `routed_experts` [P + R - 1, L, k]) on the
+    rows' input positions; positions without one (padding, the last response token) route to 0..k-1."""
+    arrays = [torch.as_tensor(getattr(r, "routed_experts")) for r in responses]
+    shape = arrays[0].shape[1:]
+    if len(shape) != 2:
+        raise ValueError(f"routed_experts must be [positions, layers, k], got shape {tuple(arrays[0].shape)}")
+    out = torch.arange(shape[1], dtype=arrays[0].dtype).expand(len(responses), length, *shape).clone()
+    for b, (r, ids) in enumerate(zip(responses, arrays)):
+        expected = len(r.prompt_ids) + len(r.response_ids) - 1
+        if ids.shape != (expected, *shape):
+            raise ValueError(f"response {b}: routed_experts of shape {tuple(ids.shape)}, expected "
+                             f"({expected}, {shape[0]}, {shape[1]}) for {len(r.prompt_ids)} prompt and "
+                             f"{len(r.response_ids)} response tokens")
+        out[b, :expected] = ids
+    return out
+
+
 def _rows(responses: Sequence[Trainable], length: int):
     """[B, length] tensors of a list of responses, aligned as in the module docstring."""
     B = len(responses)
@@ -200,10 +221,13 @@ def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int
     full = max(lengths)
     packed = PackedMiniBatch(micro_batches=[], rows=plan, num_global_sequences=len(responses))
     have_rollout = all(r.rollout_logprobs is not None for r in responses)
+    have_routing = all(getattr(r, "routed_experts", None) is not None for r in responses)
     for indices in plan:
         length = full if uniform else max(lengths[i] for i in indices)
-        tokens, labels, mask, rollout, advantages = _rows([responses[i] for i in indices], length)
-        packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages))
+        rows = [responses[i] for i in indices]
+        tokens, labels, mask, rollout, advantages = _rows(rows, length)
+        routing = routing_rows(rows, length) if have_routing else None
+        packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages, routing))
         if have_rollout:
             packed.rollout_logprobs.append(rollout)
     return packed
@@ -215,4 +239,5 @@ def responses_from_samples(samples: Sequence, advantages: Sequence[float] | torc
     advantages = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-    return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs) for s, a in zip(samples, advantages)]
+    return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs, getattr(s, "routed_experts", None))
+            for s, a in zip(samples, advantages)]

@@ -16,6 +16,7 @@ from megatron_gspo.convert.hf_config import read_hf_config
 from megatron_gspo.loss.policy import clip_range
 from megatron_gspo.model.gpt import Qwen3Shape, build_model, transformer_config
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import manual_seed
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.optimizer import build_optimizer
@@ -31,6 +32,8 @@ class Policy:
     scheduler: object
     pgs: ProcessGroupCollection
     """The process groups the model was built on (init_megatron's); pass them to train_on_batch."""
+    routing: MoERouting | None = None
+    """The MoE model's routers (record/replay, model/routing.py); None for a dense model."""
 
 
 def model_shape(config: TrainConfig) -> Qwen3Shape:
@@ -49,7 +52,7 @@ def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:
                         ddp_overrides={"use_distributed_optimizer": config.parallel.distributed_optimizer})
     optimizer, scheduler = build_optimizer(model, config.optimizer, total_steps=config.optimizer_steps,
                                            params_dtype=dtype, distributed=config.parallel.distributed_optimizer)
-    return Policy(shape, model, optimizer, scheduler, pgs)
+    return Policy(shape, model, optimizer, scheduler, pgs, MoERouting.attach(model))
 
 
 def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
@@ -59,4 +62,4 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
         loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
                           temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
         num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
-        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch)
+        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch, routing_replay=gspo.routing_replay)

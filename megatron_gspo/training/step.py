@@ -10,6 +10,13 @@
 3. Each mini-batch: one forward/backward over its micro-batches (policy_forward_step's loss contract
    makes the gradient d(-J over the mini-batch's N sequences)), one optimizer step, metrics.
 
+MoE routing (`routing`, model/routing.py; arXiv 2507.18071 section 4.3): the recompute pass records
+every micro-batch's routing: pi_old's. routing_replay="old" replays it in every training forward of
+the mini-batch; "rollout" replays the rollout engine's routing (carried by each response) in the
+recompute pass and the training forwards alike; "off" routes freely. In every case the routing the
+current weights choose is compared with pi_old's on the response tokens (`moe_routing_changed_fraction`,
+per layer too): no extra forward, one top-k per router while replaying.
+
 Every rank gets the same list of per-optimizer-step metric dicts (reduced over data/context
 parallel ranks and sent from the last pipeline stage). Process groups come only from `pgs`
 (parallel/groups.py:init_megatron's ProcessGroupCollection), passed down to the loss and to
@@ -27,9 +34,10 @@ from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_s
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
+from megatron_gspo.model.routing import MoERouting, RoutingPass
 from megatron_gspo.model.schedule import run_schedule
 from megatron_gspo.parallel.context_parallel import gather_from_cp
-from megatron_gspo.parallel.collectives import group_rank
+from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step, policy_forward_step
 from megatron_gspo.training.packing import PackedMiniBatch, Trainable, pack_minibatch
@@ -45,6 +53,8 @@ class StepSettings:
     """pi_old's log-probs: recomputed here before any update, or the rollout engine's."""
     max_tokens_per_microbatch: int = 8192
     """Micro-batch token budget (rows x padded length)."""
+    routing_replay: Literal["off", "old", "rollout"] = "off"
+    """MoE Routing Replay: off, old (pi_old's recorded routing; R2), rollout (the sampler's; R3)."""
 
 
 def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[Trainable]]:
@@ -55,7 +65,8 @@ def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[T
 
 
 def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], settings: StepSettings, *,
-                   pgs: ProcessGroupCollection, scheduler=None) -> list[dict[str, float]]:
+                   pgs: ProcessGroupCollection, scheduler=None, routing: MoERouting | None = None
+                   ) -> list[dict[str, float]]:
     """Train on one rollout batch (the same list on every rank); one metrics dict per optimizer step.
 
     Keys: loss (-J of the mini-batch), clipped_fraction_seq / _token, ratio_mean / _min / _max (s_i),
@@ -65,25 +76,47 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     rollout_nonfinite_tokens, response_tokens, sequences, sequences_empty / _nonfinite, grad_norm, lr,
     update_successful, microbatches, train_time_s, recompute_time_s, train_tokens_per_s (response tokens
     of every DP rank through fwd+bwd+optimizer per second of this optimizer step).
+    MoE (`routing` given, with pi_old's routing known): moe_routing_changed_fraction and _layer_NN
+    (response tokens x layers whose top-k set under the weights of this step differs from pi_old's);
+    with routing_replay="rollout" also moe_routing_rollout_changed_fraction (the recompute's own routing
+    vs the sampler's, before any update).
     """
     if settings.old_logprobs == "rollout" and any(r.rollout_logprobs is None for r in responses):
         raise ValueError("old_logprobs='rollout' needs rollout_logprobs on every response")
+    _check_routing(settings, routing, responses)
     packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch)
               for mini in split_minibatches(responses, settings.num_minibatches)]
+    # pi_old's routing of each mini-batch (per micro-batch, chunk, router), when known.
+    references: list[list | None] = [None] * len(packed)
+    if routing is not None and settings.routing_replay == "rollout":
+        references = [_rollout_targets(mini, routing, pgs) for mini in packed]
 
     gaps: list[dict[str, float]] = [{} for _ in packed]
     start = time.perf_counter()
     if settings.old_logprobs == "recompute":
         for k, mini in enumerate(packed):
-            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, pgs)
+            routing_pass = None if routing is None else routing.pass_(replay=references[k], compare=references[k])
+            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, pgs, routing=routing_pass)
+            if routing_pass is not None:
+                if references[k] is None:
+                    references[k] = routing_pass.recorded
+                else:
+                    gaps[k].update(_routing_metrics(routing_pass, pgs, "moe_routing_rollout_changed_fraction",
+                                                    per_layer=False))
     recompute_s = time.perf_counter() - start
 
     records = []
     for k, mini in enumerate(packed):
         start = time.perf_counter()
+        routing_pass = None
+        if routing is not None and references[k] is not None:
+            replay = references[k] if settings.routing_replay != "off" else None
+            routing_pass = routing.pass_(replay=replay, compare=references[k])
         # The policy's entropy comes with the recompute pass; without one, from the training forward.
         record = _optimizer_step(model, optimizer, mini, settings.loss, pgs,
-                                 with_entropy=settings.old_logprobs == "rollout")
+                                 with_entropy=settings.old_logprobs == "rollout", routing=routing_pass)
+        if routing_pass is not None and references[k] is not None:
+            record.update(_routing_metrics(routing_pass, pgs, "moe_routing_changed_fraction"))
         if scheduler is not None:
             scheduler.step(1)
         record["train_time_s"] = time.perf_counter() - start
@@ -98,6 +131,40 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     return records
 
 
+def _check_routing(settings: StepSettings, routing: MoERouting | None, responses: Sequence[Trainable]) -> None:
+    if settings.routing_replay == "off":
+        return
+    if routing is None:
+        raise ValueError(f"routing_replay={settings.routing_replay!r} needs an MoE model (and its MoERouting)")
+    if settings.routing_replay == "old" and settings.old_logprobs != "recompute":
+        raise ValueError("routing_replay='old' replays the routing recorded while recomputing pi_old's "
+                         "log-probs: it needs old_logprobs='recompute'")
+    if settings.routing_replay == "rollout" and any(getattr(r, "routed_experts", None) is None for r in responses):
+        raise ValueError("routing_replay='rollout' needs routed_experts (the sampler's routing) on every response")
+
+
+def _rollout_targets(mini: PackedMiniBatch, routing: MoERouting, pgs: ProcessGroupCollection) -> list:
+    """The rollout routing of each micro-batch as this rank's routers take it (per chunk, per router)."""
+    cp, cp_rank = group_size(pgs.cp), group_rank(pgs.cp)
+    return [routing.targets_from_full(mb.for_cp_rank(cp, cp_rank).routing_BSLk) for mb in mini.micro_batches]
+
+
+def _routing_metrics(routing_pass: RoutingPass, pgs: ProcessGroupCollection, name: str, *,
+                     per_layer: bool = True) -> dict[str, float]:
+    """Changed fraction over all (response token, layer) pairs of the global batch, and per layer.
+    Tokens are split over data/context/sequence-parallel ranks, layers over pipeline stages."""
+    counts = torch.stack([routing_pass.counts.changed_L, routing_pass.counts.tokens_L])
+    for group in (pgs.mp, pgs.dp_cp):
+        if group.size() > 1:
+            dist.all_reduce(counts, group=group)
+    changed_L, tokens_L = counts
+    out = {name: changed_L.sum().item() / max(tokens_L.sum().item(), 1.0)}
+    if per_layer:
+        out.update({f"{name}_layer_{layer:02d}": changed / max(tokens, 1.0)
+                    for layer, (changed, tokens) in enumerate(zip(changed_L.tolist(), tokens_L.tolist()))})
+    return out
+
+
 def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_tokens: int) -> PackedMiniBatch:
     """This DP rank's share of `responses` in micro-batches (equal ones under PP: uniform shapes)."""
     return pack_minibatch(responses, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=max_tokens,
@@ -105,10 +172,12 @@ def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_token
 
 
 @torch.no_grad()
-def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection) -> dict:
+def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
+                            routing: RoutingPass | None = None) -> dict:
     """Fill every micro-batch's old_logprobs_BS with the current policy's; return the rollout gap."""
     # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
-    outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs), pgs=pgs, forward_only=True)
+    outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs, routing=routing), pgs=pgs,
+                           forward_only=True)
     if not is_pp_last_stage(pgs.pp):
         return _from_last_stage({}, pgs)
     # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
@@ -142,12 +211,13 @@ def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
 
 
 def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
-                    with_entropy: bool = False) -> dict:
+                    with_entropy: bool = False, routing: RoutingPass | None = None) -> dict:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_step = policy_forward_step(loss, pgs=pgs, num_global_sequences=mini.num_global_sequences,
-                                       num_microbatches=mini.num_microbatches, with_entropy=with_entropy)
+                                       num_microbatches=mini.num_microbatches, with_entropy=with_entropy,
+                                       routing=routing)
     outputs = run_schedule(model, mini, forward_step, pgs=pgs, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     loss_metrics = {}

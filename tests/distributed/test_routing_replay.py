@@ -1,0 +1,64 @@
+"""MoE Routing Replay (gspo.routing_replay=old) through train_on_batch at the layouts of the issue.
+
+A hook at every router checks that each training forward used exactly the routing recorded in the
+recompute pass (mode old) or routed freely (off); mini-batch 1's ratios are exactly 1 either way; the
+routing-changed fraction is 0 before any update and > 0 after it, the same with and without replay;
+GRPO + replay gives the TP1 reference's loss, grad norm and update at every layout
+(tests/distributed/workers/routing_replay.py has the checks and their tolerances).
+"""
+from pathlib import Path
+
+import pytest
+
+from tests.torchrun import run_checks
+
+WORKER = Path(__file__).parent / "workers" / "routing_replay.py"
+CHECKS = 13  # per rank, reference included: 9 in each run's own checks + 4 comparisons
+
+# name: (processes, tp, pp, cp, ep, max tokens per micro-batch); 64 tokens: 3-4 micro-batches per mini-batch.
+LAYOUTS = {
+    "microbatches4": (1, 1, 1, 1, 1, 64),
+    "ep2": (2, 1, 1, 1, 2, 8192),
+    "ep2_microbatches4": (2, 1, 1, 1, 2, 64),
+    "tp2xep2": (4, 2, 1, 1, 2, 8192),
+    "pp2": (2, 1, 2, 1, 1, 64),
+    "cp2": (2, 1, 1, 2, 1, 8192),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("routing_replay")
+    run_checks(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 8192, checks=CHECKS - 4, timeout=300)
+    return workdir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_routing_replay_matches_tp1_reference(reference, name):
+    nproc, *layout = LAYOUTS[name]
+    run_checks(WORKER, nproc, reference, name, *layout, checks=CHECKS, timeout=300)
+
+
+ROLLOUT_WORKER = Path(__file__).parent / "workers" / "rollout_routing.py"
+ROLLOUT_LAYOUTS = {  # name: (processes, tp, pp, cp, ep)
+    "tp2": (2, 2, 1, 1, 1),
+    "cp2": (2, 1, 1, 2, 1),
+    "pp2": (2, 1, 2, 1, 1),
+    "ep2": (2, 1, 1, 1, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def rollout_reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("rollout_routing")
+    run_checks(ROLLOUT_WORKER, 1, workdir, "reference", 1, 1, 1, 1, checks=5, timeout=300)
+    return workdir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ROLLOUT_LAYOUTS)
+def test_rollout_routing_replay_with_the_megatron_sampler(rollout_reference, name):
+    """gspo.routing_replay=rollout: the sampler's recorded routing (same at every layout), replayed by the trainer."""
+    nproc, *layout = ROLLOUT_LAYOUTS[name]
+    run_checks(ROLLOUT_WORKER, nproc, rollout_reference, name, *layout, checks=5, timeout=300)
