@@ -159,11 +159,9 @@ class GSPOConfig:
         _positive("gspo", self, "num_minibatches", "group_size", "prompts_per_step")
         if self.advantage_std == "sample":
             _check(self.group_size >= 2, "gspo.group_size", "must be >= 2 with advantage_std=sample", self.group_size)
-        _check(self.routing_replay in ("off", "old", "rollout"), "gspo.routing_replay",
-               "must be off, old or rollout", self.routing_replay)
         _check(self.routing_replay != "old" or self.old_logprobs == "recompute", "gspo.routing_replay",
-               "old replays the routing recorded while recomputing pi_old's log-probs: it needs "
-               "gspo.old_logprobs=recompute", self.routing_replay)
+               "must not be old with gspo.old_logprobs=rollout (old replays the routing recorded while "
+               "recomputing pi_old's log-probs)", self.routing_replay)
         responses = self.prompts_per_step * self.group_size
         _check(responses % self.num_minibatches == 0, "gspo.num_minibatches",
                f"must divide prompts_per_step * group_size = {responses}", self.num_minibatches)

@@ -78,6 +78,7 @@ def test_yaml_scientific_notation_without_dot(tmp_path):
     ("model.preset=tiny_moe", "exactly one must be set"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last must be >= 0"),
     ("parallel.ep=4", "parallel.ep (times etp = 1) must divide tp * cp * dp = 2 (raise parallel.dp), got 4"),
+    ("gspo.routing_replay=r2", "gspo.routing_replay must be one of off, old, rollout"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ValueError) as err:
@@ -162,3 +163,9 @@ def test_megatron_backend_sampling_rules(tmp_path):
     # past the sampler's rules, preflight stops at the next one: a preset has no tokenizer
     with pytest.raises(ValueError, match="model.hf_path is required to train"):
         preflight(load_config(TINY, [*base, "sampling.top_p=0.9", "sampling.top_k=20"]))
+
+
+def test_old_routing_replay_needs_recomputed_old_logprobs():
+    with pytest.raises(ValueError, match="gspo.routing_replay must not be old with gspo.old_logprobs=rollout"):
+        load_config(TINY, ["gspo.old_logprobs=rollout", "gspo.routing_replay=old"])
+    assert load_config(TINY, ["gspo.old_logprobs=rollout", "gspo.routing_replay=rollout"]).gspo.routing_replay == "rollout"

@@ -73,9 +73,10 @@ def test_plot_writes_a_png(tmp_path):
 def test_every_metric_has_one_namespaced_name():
     logged = list(METRIC_NAMES.values())
     assert len(set(logged)) == len(logged)                          # no two metrics share a logged name
-    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time", "data"} for name in logged)
-    with pytest.raises(KeyError, match="without a logged name in METRIC_NAMES: \\['made_up'\\]"):
+    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time", "data", "moe"} for name in logged)
+    with pytest.raises(KeyError, match="without a logged name in METRIC_NAMES or METRIC_PREFIXES: 'made_up'"):
         namespaced({"reward_mean": 1.0, "made_up": 2.0})
+    assert namespaced({"moe_routing_changed_fraction_layer_07": 0.1}) == {"moe/routing_changed_fraction/layer_07": 0.1}
 
 
 def test_records_of_runs_before_the_namespaces_read_under_todays_names(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from megatron_gspo.config import load_config
 from megatron_gspo.data import DataError, write_arithmetic_data
 from megatron_gspo.training.preflight import preflight
-from tests.tiny_hf import fake_hf_dir
+from tests.tiny_hf import fake_hf_dir, make_config
 
 
 def config(tmp_path, *overrides):
@@ -83,3 +83,12 @@ def test_unknown_preset_is_named(tmp_path):
                                     f"logging.run_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match="model.preset must be one of .*got 'tiny_large'"):
         preflight(bad_preset)
+
+
+def test_routing_replay_on_a_dense_model_names_the_field(tmp_path):
+    fake_hf_dir(tmp_path / "hf")
+    dense = make_config("dense_tied")
+    dense.architectures = ["Qwen3ForCausalLM"]
+    dense.save_pretrained(tmp_path / "hf")  # a dense Qwen3 config.json
+    with pytest.raises(ValueError, match="gspo.routing_replay=old: the model is dense"):
+        preflight(config(tmp_path, "gspo.routing_replay=old"))
