@@ -98,7 +98,7 @@ def _routing_from_json(obj, positions: int, where: str) -> np.ndarray:
     """The array `_routing_to_json` wrote; `positions` = P + R - 1 of the line's ids."""
     if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
         raise JsonlError(f"{where}: routed_experts must be null or {{dtype, shape, data}}")
-    dtype, shape = _ROUTING_DTYPES.get(obj["dtype"]), obj["shape"]
+    dtype, shape = _ROUTING_DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None, obj["shape"]
     if dtype is None:
         raise JsonlError(f"{where}: routed_experts dtype {obj['dtype']!r} is not one of {sorted(_ROUTING_DTYPES)}")
     if len(_int_list(shape, "routed_experts shape", where)) != 3 or min(shape) < 0:
