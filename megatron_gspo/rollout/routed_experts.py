@@ -16,7 +16,7 @@ What SGLang 0.5.23 sends (paths under site-packages/sglang/srt/), and why this m
   len(output_ids_through_stop) (managers/scheduler_components/batch_result_processor.py:154-162,
   state_capturer/base.py:182-188): every position but the last response token, which is sampled and
   never fed back, exactly the T rows `Sample.routed_experts` holds. `output_ids` in the answer are the
-  same `output_ids_through_stop` (output_streamer.py:490), so R here is len(output_ids).
+  same `output_ids_through_stop` (scheduler_components/output_streamer.py:490): R is len(output_ids).
 - Values: the host buffer is int32 [tokens, num_hidden_layers, num_experts_per_tok] (base.py:68-72,
   sizes from hf_text_config, routed_experts.py:72-73); layer `layer_id` of the model writes column
   `layer_id` (base.py:48-50), so axis 1 is in decoder-layer order, 0..L-1. Ids are logical expert ids:
