@@ -17,6 +17,7 @@ should stop the run, while an occasional hostile response should only cost its o
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import pickle
 import queue
@@ -89,6 +90,10 @@ class _Worker:
             raise RewardError(f"reward function {self.fn_spec!r} cannot be loaded: {payload}")
 
     def send(self, sample: Sample) -> None:
+        # The MoE routing (up to megabytes per sample) is for the trainer, not the reward function:
+        # it is neither pickled nor sent (and the worker need not import numpy to unpickle it).
+        if sample.routed_experts is not None:
+            sample = dataclasses.replace(sample, routed_experts=None)
         write_message(self.proc.stdin, sample)
 
     def receive(self, timeout_s: float):

@@ -8,6 +8,9 @@ reset, timeout, HTTP 5xx, an aborted sample) is retried on another server; a ser
 `max_server_failures` times in a row is retired for the rest of the call. Errors that a retry cannot
 fix (HTTP 4xx such as a wrong API key, a malformed response, a null log-prob) stop the rollout.
 
+With `ClientConfig.routed_experts` set (gspo.routing_replay=rollout) every request also asks for the
+MoE routing SGLang used, and each Sample carries it (`Sample.routed_experts`, rollout/routed_experts.py).
+
 The client speaks HTTP only (httpx); it runs in the trainer's environment, not SGLang's.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import httpx
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.net import auth_headers
+from megatron_gspo.rollout.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
 from megatron_gspo.samples import Prompt, Sample
 
 
@@ -56,6 +60,11 @@ class ClientConfig:
     """Pause before a failed group is sent again (doubles per attempt)."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer ...` when set."""
+    routed_experts: RoutingSpec | None = None
+    """The served MoE model's routing layout (`RoutingSpec.from_hf_config(hf_dir)`): ask every request
+    for its routed experts (`return_routed_experts`) and fill `Sample.routed_experts`, checked against
+    this layout. The servers must run with `--enable-return-routed-experts` (ServerConfig.
+    return_routed_experts). None: routing is not asked for."""
 
     def __post_init__(self):
         if self.concurrency_per_server < 1 or self.max_attempts < 1 or self.max_server_failures < 1:
@@ -187,6 +196,9 @@ class RolloutClient:
                        sampling: SamplingConfig) -> list[Sample]:
         payload = {"input_ids": list(prompt.prompt_ids), "sampling_params": sglang_sampling_params(sampling, n),
                    "return_logprob": True, "logprob_start_len": -1}
+        routing = self.config.routed_experts
+        if routing is not None:
+            payload["return_routed_experts"] = True  # one flag for all n samples (io_struct.py:1001)
         try:
             response = await http.post(f"{url}/generate", json=payload)
         except httpx.TransportError as e:  # refused, reset, timeout, protocol error
@@ -203,7 +215,7 @@ class RolloutClient:
             body = response.json()
         except ValueError as e:
             raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
-        return parse_generate_response(body, prompt, n, url)
+        return parse_generate_response(body, prompt, n, url, routing=routing)
 
 
 def _pick(servers: list[_Server], round_robin, tried: set[str]) -> _Server | None:
@@ -219,8 +231,10 @@ def _pick(servers: list[_Server], round_robin, tried: set[str]) -> _Server | Non
             return candidate
 
 
-def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server") -> list[Sample]:
-    """SGLang's /generate answer for one prompt with n samples -> n Samples (validated).
+def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server", *,
+                            routing: RoutingSpec | None = None) -> list[Sample]:
+    """SGLang's /generate answer for one prompt with n samples -> n Samples (validated). With `routing`,
+    each sample's `meta_info.routed_experts` becomes its `Sample.routed_experts`.
 
     Raises ServerResponseError for anything the trainer cannot use, and _RetryableError for an
     aborted sample (the server is shutting down or dropped the request: try the group elsewhere).
@@ -257,8 +271,20 @@ def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server") -
                 raise ServerResponseError(f"{where}, sample {index}, token {pos} (id {token}): log-prob is "
                                           f"{logprob!r} (NaN/inf logits on the server?)")
             logprobs.append(float(logprob))
+        routed = None
+        if routing is not None:
+            if meta.get(META_KEY) is None:
+                raise ServerResponseError(f"{where}, sample {index}: no meta_info.{META_KEY} in the answer "
+                                          "(is the server started with --enable-return-routed-experts?)")
+            try:
+                routed = decode_routed_experts(meta[META_KEY], prompt_len=len(prompt.prompt_ids),
+                                               response_len=len(output_ids), spec=routing,
+                                               where=f"{where}, sample {index}")
+            except ValueError as e:
+                raise ServerResponseError(str(e)) from None
         samples.append(Sample(group_id=prompt.group_id, sample_index=index, prompt_ids=list(prompt.prompt_ids),
                               response_ids=list(output_ids), rollout_logprobs=logprobs, finish_reason=finish,
                               weight_version=meta.get("weight_version"), response_text=item.get("text"),
-                              prompt=prompt.prompt, answer=prompt.answer, metadata=prompt.metadata))
+                              prompt=prompt.prompt, answer=prompt.answer, metadata=prompt.metadata,
+                              routed_experts=routed))
     return samples

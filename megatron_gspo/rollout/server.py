@@ -73,6 +73,11 @@ class ServerConfig:
     """`--sleep-on-idle`: with nothing to do, the scheduler waits on its request sockets instead of
     polling them in a busy loop. Without it an idle CPU server keeps a core at 50-100% (measured: two
     idle servers took ~1.5 of this machine's 2 cores), which the trainer needs between rollouts."""
+    return_routed_experts: bool = False
+    """`--enable-return-routed-experts` (SGLang arg_groups/fields/exec_.py:158): record every token's MoE
+    routing so requests can ask for it (gspo.routing_replay=rollout, ClientConfig.routed_experts). MoE
+    models only; it costs a pinned host buffer of 4 * L * k bytes per KV-cache token
+    (state_capturer/base.py:68-72, sized by the KV pool: model_executor/model_runner.py:1233)."""
     extra_args: tuple[str, ...] = ()
     """Further `launch_server` arguments, verbatim."""
     startup_timeout_s: float = 300.0
@@ -119,6 +124,8 @@ class SGLangServer:
                 cmd += [flag, str(value)]
         if c.sleep_on_idle:
             cmd.append("--sleep-on-idle")
+        if c.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:

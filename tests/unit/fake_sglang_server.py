@@ -1,18 +1,31 @@
 """A tiny fake of SGLang's /generate for client tests (asyncio streams, no dependencies).
 
-It answers like SGLang 0.5.23 (flat list of n items, output_token_logprobs [[logprob, id, null], ...])
-and can misbehave on purpose: die after k requests, stall, return null log-probs, abort, demand a key.
+It answers like SGLang 0.5.23 (flat list of n items, output_token_logprobs [[logprob, id, null], ...];
+with `routing=(L, k, E)`, like a server started with --enable-return-routed-experts, meta_info.routed_experts
+when the request asks) and can misbehave on purpose: die after k requests, stall, return null log-probs,
+abort, demand a key, send routing for the wrong number of positions.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+
+import numpy as np
+
+
+def fake_routing(positions: int, num_layers: int, topk: int, num_experts: int, salt: int) -> np.ndarray:
+    """The routing the fake reports: int32 [positions, L, k], entry (t, l, j) = (t + 3 l + j + salt) % E
+    (k distinct ids per row while k <= E; `salt` makes the samples of a group differ)."""
+    t, l, j = np.meshgrid(np.arange(positions), np.arange(num_layers), np.arange(topk), indexing="ij")
+    return ((t + 3 * l + j + salt) % num_experts).astype(np.int32)
 
 
 class FakeSGLang:
     def __init__(self, *, name: str = "fake", die_after: int | None = None, stall: bool = False,
                  delay_s: float = 0.01, null_logprob: bool = False, short_logprobs: bool = False,
-                 abort: bool = False, api_key: str | None = None, response_len: int = 3):
+                 abort: bool = False, api_key: str | None = None, response_len: int = 3,
+                 routing: tuple[int, int, int] | None = None, routing_extra_positions: int = 0):
         self.name = name
         self.die_after = die_after
         self.stall = stall
@@ -22,6 +35,8 @@ class FakeSGLang:
         self.abort = abort
         self.api_key = api_key
         self.response_len = response_len
+        self.routing = routing  # (num_layers, topk, num_experts) of the "model", or None: flag off
+        self.routing_extra_positions = routing_extra_positions  # added to the P + R - 1 positions sent
         self.received: list[dict] = []  # every /generate payload that arrived
         self.answered = 0  # answers delivered
         self.dead = False
@@ -90,7 +105,12 @@ class FakeSGLang:
             if self.short_logprobs:
                 logprobs = logprobs[:-1]
             finish = {"type": "abort", "message": "shutting down"} if self.abort else {"type": "length", "length": 3}
-            items.append({"text": f"{self.name}:{i}", "output_ids": ids,
-                          "meta_info": {"id": f"{first}-{i}", "finish_reason": finish, "weight_version": self.name,
-                                        "output_token_logprobs": logprobs}})
+            meta = {"id": f"{first}-{i}", "finish_reason": finish, "weight_version": self.name,
+                    "output_token_logprobs": logprobs}
+            if payload.get("return_routed_experts") and self.routing is not None:
+                positions = len(payload["input_ids"]) + len(ids) - 1 + self.routing_extra_positions
+                ids_TLk = fake_routing(positions, *self.routing, salt=i)
+                # As SGLang's detokenizer encodes the int32 [T, L, k] tensor (detokenizer_manager.py:443).
+                meta["routed_experts"] = base64.b64encode(ids_TLk.tobytes()).decode("utf-8")
+            items.append({"text": f"{self.name}:{i}", "output_ids": ids, "meta_info": meta})
         return 200, items
