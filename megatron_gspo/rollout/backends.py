@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
@@ -25,6 +26,7 @@ from megatron_gspo.config import SamplingConfig, TrainConfig
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
+from megatron_gspo.rollout.routed_experts import RoutingSpec
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
 from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
 from megatron_gspo.samples import Prompt, Sample
@@ -59,6 +61,8 @@ class SGLangBackend:
 
     def __init__(self, config: TrainConfig):
         r = config.rollout
+        # R3 (gspo.routing_replay=rollout): the servers return each training sample's routed experts.
+        routing = RoutingSpec.from_hf_config(config.model.hf_path) if config.gspo.routing_replay == "rollout" else None
         self._stack = contextlib.ExitStack()
         try:
             if r.server_urls:
@@ -67,12 +71,14 @@ class SGLangBackend:
                 print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
                 servers = self._stack.enter_context(launch_servers(ServerConfig(
                     model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
-                    max_running_requests=r.concurrency,
+                    max_running_requests=r.concurrency, return_routed_experts=routing is not None,
                     log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers))
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
-            self._client = RolloutClient(self.urls, ClientConfig(concurrency_per_server=r.concurrency,
-                                                                 request_timeout_s=r.request_timeout_s))
+            client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s)
+            self._eval_client = RolloutClient(self.urls, client)
+            self._client = (RolloutClient(self.urls, dataclasses.replace(client, routed_experts=routing))
+                            if routing is not None else self._eval_client)
             self._weights: WeightSync = open_weight_sync(r.weight_sync, self.urls,
                                                          folder=Path(config.logging.run_dir) / "weights",
                                                          config_dir=config.model.hf_path)
@@ -84,8 +90,9 @@ class SGLangBackend:
 
     async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
                        on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
-        return await self._client.generate(prompts, n=n or self._group_size, sampling=sampling or self._sampling,
-                                           on_group=on_group)
+        client = self._client if sampling is None else self._eval_client  # eval never needs the routing
+        return await client.generate(prompts, n=n or self._group_size, sampling=sampling or self._sampling,
+                                     on_group=on_group)
 
     def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
         self._weights.push(named_tensors, version)

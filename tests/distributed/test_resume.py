@@ -9,11 +9,12 @@ from tests.torchrun import run_checks
 WORKER = Path(__file__).parent / "workers" / "resume.py"
 
 # name: worker arguments after WORKDIR PHASE (TP, optimizer)
-CASES = {"tp2": ("2",), "dp2_distributed_optimizer": ("1", "distopt")}
+CASES = {"tp2": ("2",), "dp2_distributed_optimizer": ("1", "distopt"), "ep2_moe_routing_replay": ("1", "moe_replay")}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp2", pytest.param("dp2_distributed_optimizer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["tp2", "ep2_moe_routing_replay",
+                                  pytest.param("dp2_distributed_optimizer", marks=pytest.mark.slow)])
 def test_interrupted_run_resumes_exactly(tmp_path, name):
     run_checks(WORKER, 2, tmp_path, "run", *CASES[name], checks=1, timeout=240)
     assert (tmp_path / "checkpoints" / "iter_0000003.tmp").exists()        # the crashed save's leftover

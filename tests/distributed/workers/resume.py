@@ -1,7 +1,8 @@
 """Exact resume: an interrupted and resumed run ends with the same parameters as an uninterrupted one.
 
-usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt]
-(`distopt`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks.)
+usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt|moe_replay]
+(`distopt`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks;
+`moe_replay`: the tiny Qwen3-MoE, experts over 2 ranks (EP2), GRPO with routing_replay="old".)
 PHASE "run": (A) trains 4 rollout steps uninterrupted and saves its final parameters as the reference;
   (B) from the same seed trains 2 steps, checkpointing after each (keep_last=1), starts step 3, leaves a
   half-written iter_0000003.tmp behind as a crashed save would, and exits without any clean-up (os._exit).
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.model.gpt import model_process_groups
+from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.checkpoint import (TrainerState, complete_iterations, find_latest,
                                                load_checkpoint, save_checkpoint)
@@ -34,6 +36,7 @@ from trainer_common import SHAPE, parallel_layout, params, synthetic_responses, 
 
 STEPS, K, GROUP = 4, 2, 4
 DISTRIBUTED_OPTIMIZER = sys.argv[4:5] == ["distopt"]
+MOE_REPLAY = sys.argv[4:5] == ["moe_replay"]
 
 
 class SyntheticData:
@@ -55,23 +58,27 @@ class SyntheticData:
 def setup(layout, pgs, seed):
     model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=seed, lr=2e-3, total_steps=STEPS * K,
                                              schedule="cosine", warmup_steps=2, min_lr=1e-4,
-                                             distributed_optimizer=DISTRIBUTED_OPTIMIZER)
+                                             distributed_optimizer=DISTRIBUTED_OPTIMIZER,
+                                             preset="tiny_moe" if MOE_REPLAY else "tiny_dense")
     return model, optimizer, scheduler
 
 
 def train(model, optimizer, scheduler, data, steps, settings):
+    routing = MoERouting.attach(model)
     for _ in range(steps):
-        train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model),
-                       scheduler=scheduler)
+        records = train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model),
+                                 scheduler=scheduler, routing=routing)
+        if MOE_REPLAY:
+            assert all("moe_routing_changed_fraction" in r for r in records), records
 
 
 def main():
     workdir, phase, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    layout = parallel_layout(tp=tp)
+    layout = parallel_layout(tp=tp, ep=2 if MOE_REPLAY else 1)
     pgs = init_megatron(layout, seed=1)
-    settings = StepSettings(LossSettings(algorithm="gspo", eps_low=0.05, eps_high=0.05,
+    settings = StepSettings(LossSettings(algorithm="grpo" if MOE_REPLAY else "gspo", eps_low=0.05, eps_high=0.05,
                                          vocab_size=SHAPE.vocab_size), num_minibatches=K,
-                            max_tokens_per_microbatch=64)
+                            max_tokens_per_microbatch=64, routing_replay="old" if MOE_REPLAY else "off")
     if phase == "run":
         run_and_crash(workdir, layout, pgs, settings)  # reports its checks and ends the process (os._exit)
     else:
