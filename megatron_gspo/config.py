@@ -620,6 +620,8 @@ def _coerce(value, tp, name: str):
         choices = typing.get_args(inner)
         if isinstance(value, bool) and "true" in choices:  # YAML reads `true` as a bool
             value = str(value).lower()
+        elif value is False and "off" in choices:  # ... and `off` as False (YAML 1.1)
+            value = "off"
         if value not in choices:
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         return value

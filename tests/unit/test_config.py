@@ -169,3 +169,9 @@ def test_old_routing_replay_needs_recomputed_old_logprobs():
     with pytest.raises(ValueError, match="gspo.routing_replay must not be old with gspo.old_logprobs=rollout"):
         load_config(TINY, ["gspo.old_logprobs=rollout", "gspo.routing_replay=old"])
     assert load_config(TINY, ["gspo.old_logprobs=rollout", "gspo.routing_replay=rollout"]).gspo.routing_replay == "rollout"
+
+
+def test_yaml_off_is_the_word_off(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny_moe}\nrollout: {backend: megatron}\ngspo: {routing_replay: off}\n")
+    assert load_config(path).gspo.routing_replay == "off"
