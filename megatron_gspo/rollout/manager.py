@@ -12,6 +12,16 @@ with signal (rollout/batch_filling.py). Rank 0's batch then reaches every rank. 
 `data.epochs` run out before a batch is full, `generate` returns `Ended("data")` (the partial batch is
 not trained) and the driver ends the run with a checkpoint.
 
+Overlap (rollout.max_staleness = N > 0; SGLang backend, rank 0): after `generate` hands out batch t,
+`prefetch(batch_t)` has the servers generate batches t+1 .. t+N in a background thread while the
+trainer trains on batch t. A weight push waits for the batch being generated to finish and holds
+the next one back until the servers have the new weights (`sync_weights`), so every batch is sampled
+by one weight version, at most N versions older than the policy that trains on it; each sample carries
+it (`weight_version`) and `staleness_metrics` reports the gap. Evaluation holds the background thread
+back the same way. `ahead()` gives the batches already generated (a checkpoint saves them) and
+`preload` puts them back on resume, so a resumed run trains on exactly the batches the interrupted
+one had sampled. With N = 0 nothing runs in the background: generate, then train.
+
 Preemption lives here because this is where it is met: Slurm signals the rollout servers together with
 the trainer, so a request or a weight push can fail *because* the run is being stopped. After a stop
 request such a failure is an interruption: `generate` returns `Ended("signal")` and `sync_weights` False, and the
@@ -21,6 +31,11 @@ trainer's own model) has no servers to lose, so its failures always raise.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Protocol, Sequence
 
@@ -59,9 +74,26 @@ class RolloutBatch:
     """The prompt stream's position after this batch (saved in checkpoints: resume continues there)."""
     epoch: int = 0
     """The data epoch of the batch's last prompt (0-based)."""
+    position: int = 0
+    """The prompt stream's position where this batch started."""
+    generate_s: float = 0.0
+    """Wall time its generation and scoring took (in the background when prefetched)."""
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    """time.monotonic() on rank 0 when its generation started and ended."""
 
     def metrics(self) -> dict[str, float]:
         return {**self.scored.metrics(), "data_epoch": float(self.epoch)}
+
+
+def staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, float]:
+    """How many weight versions older than the training policy (`policy_version`: optimizer rollout steps
+    taken) the samples' weights were: rollout_staleness_mean / _max (0 in a synchronous run)."""
+    versions = [s.weight_version for g in batch.scored.groups for s in g]
+    gaps = [policy_version - int(v) for v in versions if v is not None and str(v).lstrip("-").isdigit()]
+    if not gaps:
+        return {}
+    return {"rollout_staleness_mean": sum(gaps) / len(gaps), "rollout_staleness_max": float(max(gaps))}
 
 
 class Rollout:
@@ -76,25 +108,109 @@ class Rollout:
         self.dataset, self.gspo, self.stop = dataset, config.gspo, stop
         self.eval_sets = dict(eval_sets or {})
         self.eval_k, self.eval_sampling = config.eval.samples_per_prompt, eval_sampling(config)
+        overlapping = backend is not None and not backend.collective
+        self.max_staleness = config.rollout.max_staleness if overlapping else 0
+        """Batches generated ahead (rank 0 of an SGLang run); 0 elsewhere."""
+        self._ahead: collections.deque[Future] = collections.deque()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if self.max_staleness else None
+        self._turn = threading.Condition()
+        self._generating = False   # the background thread is generating a batch
+        self._held = 0             # pushes / evals waiting: the next background batch must not start
+        self.wait_s = 0.0
+        """Seconds the last `generate` waited for its batch (with overlap: for the background thread)."""
+        self.sync_wait_s = 0.0
+        """Seconds the last `sync_weights` waited for the background thread's batch to finish."""
 
     def generate(self, position: int) -> RolloutBatch | Ended:
         """Collective: the batch from prompt-stream position `position` on every rank, or the same
         `Ended` on every rank (see the module doc)."""
         result: RolloutBatch | Ended | None = None
+        start = time.perf_counter()
         if self.backend is not None:
-            try:
-                result = self._collect(position)
-            except PromptsExhausted as exhausted:
-                print(f"data: {exhausted}; ending the run", flush=True)
-                result = Ended("data")
-            except Exception as error:
-                if self.stop.signal_name is None or self.backend.collective:
-                    raise
-                print(f"rollout failed after {self.stop.signal_name} ({type(error).__name__}: {error})", flush=True)
-                result = Ended("signal")
+            if self._ahead:
+                result = self._ahead.popleft().result()
+                if isinstance(result, RolloutBatch) and result.position != position:
+                    raise RuntimeError(f"the batch generated ahead starts at prompt {result.position}, "
+                                       f"the trainer asks for {position}")
+            else:
+                result = self._attempt(position)
+        self.wait_s = time.perf_counter() - start
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _attempt(self, position: int) -> RolloutBatch | Ended:
+        try:
+            return self._collect(position)
+        except PromptsExhausted as exhausted:
+            print(f"data: {exhausted}; ending the run", flush=True)
+            return Ended("data")
+        except Exception as error:
+            if self.stop.signal_name is None or self.backend.collective:
+                raise
+            print(f"rollout failed after {self.stop.signal_name} ({type(error).__name__}: {error})", flush=True)
+            return Ended("signal")
+
+    # ---- generating ahead (rollout.max_staleness > 0) ------------------------------------------------
+
+    def prefetch(self, batch: RolloutBatch, remaining: int) -> None:
+        """Start generating the batches after `batch` in the background, up to max_staleness of them and
+        no more than the `remaining` steps of the run will train on. No-op without overlap."""
+        if not self.max_staleness:
+            return
+        while len(self._ahead) < min(self.max_staleness, remaining):
+            previous = self._ahead[-1] if self._ahead else None
+            self._ahead.append(self._executor.submit(self._generate_after, previous, batch))
+
+    def _generate_after(self, previous: Future | None, batch: RolloutBatch) -> RolloutBatch | Ended:
+        """The background thread's job: the batch that follows `previous`'s result (or `batch`)."""
+        before = previous.result() if previous is not None else batch
+        if isinstance(before, Ended):
+            return before
+        with self._turn:
+            while self._held:
+                self._turn.wait()
+            self._generating = True
+        try:
+            return self._attempt(before.next_position)
+        finally:
+            with self._turn:
+                self._generating = False
+                self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def _servers_to_ourselves(self):
+        """Wait for the background batch being generated (if any) and start no other until the block ends."""
+        with self._turn:
+            self._held += 1
+            while self._generating:
+                self._turn.wait()
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._held -= 1
+                self._turn.notify_all()
+
+    def ahead(self) -> list[RolloutBatch]:
+        """The batches generated ahead and finished, in order (waits for the one being generated): what a
+        checkpoint keeps. Rank 0's; [] elsewhere or without overlap."""
+        done = []
+        with self._servers_to_ourselves():
+            for future in self._ahead:
+                if not future.done() or not isinstance(future.result(), RolloutBatch):
+                    break
+                done.append(future.result())
+        return done
+
+    def preload(self, batches: Sequence[RolloutBatch]) -> None:
+        """Batches a checkpoint kept (`ahead()`): `generate` hands them out first, in order."""
+        if not self.max_staleness:
+            return
+        for batch in batches:
+            future: Future = Future()
+            future.set_result(batch)
+            self._ahead.append(future)
 
     def _collect(self, position: int) -> RolloutBatch:
         taken = 0
@@ -104,16 +220,19 @@ class Rollout:
             for prompt in self.dataset.prompts(position):
                 taken += 1
                 yield prompt
+        started, start = time.monotonic(), time.perf_counter()
         scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
                                                    self.scorer, drop_zero_variance=self.gspo.dynamic_sampling))
-        return RolloutBatch(scored, position + taken, self.dataset.epoch_of(position + taken - 1))
+        return RolloutBatch(scored, position + taken, self.dataset.epoch_of(position + taken - 1), position=position,
+                            generate_s=time.perf_counter() - start, started_at=started, ended_at=time.monotonic())
 
     def evaluate(self) -> dict[str, float]:
         """Collective: every eval dataset's metrics (evaluation.py) on every rank; {} without eval sets."""
         results = None
         if self.backend is not None and self.eval_sets:
-            results = asyncio.run(evaluate(self.backend.generate, self.eval_sets, self.scorer, self.eval_sampling,
-                                           self.eval_k))
+            with self._servers_to_ourselves():  # the scorer and the servers' weights are the eval's alone
+                results = asyncio.run(evaluate(self.backend.generate, self.eval_sets, self.scorer,
+                                               self.eval_sampling, self.eval_k))
         box = [results]
         dist.broadcast_object_list(box, src=0)
         return box[0] or {}
@@ -134,7 +253,10 @@ class Rollout:
         synced = True
         try:
             if self.backend is not None:
-                self.backend.sync_weights(tensors, version)
+                start = time.perf_counter()
+                with self._servers_to_ourselves():  # between two batches: each is sampled by one version
+                    self.sync_wait_s = time.perf_counter() - start
+                    self.backend.sync_weights(tensors, version)
         except Exception as error:
             if self.stop.signal_name is None:
                 raise
@@ -146,5 +268,9 @@ class Rollout:
         return synced
 
     def close(self) -> None:
+        if self._executor is not None:  # a batch being generated ends with the servers (or first)
+            self._executor.shutdown(wait=False, cancel_futures=True)
         if self.backend is not None:
             self.backend.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

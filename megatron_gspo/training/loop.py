@@ -38,7 +38,7 @@ from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.backends import open_backend
 from megatron_gspo.rewards.pool import RewardPool
-from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch
+from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, namespaced, plot
@@ -59,6 +59,7 @@ def train(config: TrainConfig) -> None:
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
     with contextlib.ExitStack() as stack:
         rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack)))
+        rollout.preload(state.user_state.get("rollout_ahead", []))  # batches sampled before the checkpoint
         logger = stack.enter_context(open_logger(config, state)) if dist.get_rank() == 0 else None
         if state.step:  # the servers start from the HF weights: give them the resumed ones
             rollout.sync_weights(export, version=str(state.step))
@@ -66,7 +67,7 @@ def train(config: TrainConfig) -> None:
         stop.arm()
         if state.step == 0 and config.eval.interval:  # the starting point of the eval curve
             log_eval(logger, config, state.step, rollout.evaluate())
-        evaluated_step, data_ended = state.step, False
+        evaluated_step, data_ended, previous = state.step, False, None
         while state.step < config.num_steps:
             times = {"time_step_s": time.perf_counter()}
             # 1-2. Prompts -> G samples each -> rewards; the same batch on every rank.
@@ -75,10 +76,14 @@ def train(config: TrainConfig) -> None:
                 data_ended = batch.reason == "data"
                 # a stop signal (the servers got it too), or the data's epochs are used up
                 if state.step != saved_step and (batch.reason == "data" or config.checkpoint.save_on_signal):
-                    save_checkpoint(config, state, policy)
+                    save_checkpoint(config, state, policy, rollout)
                 if batch.reason == "data" and config.eval.interval and evaluated_step != state.step:
                     log_eval(logger, config, state.step, rollout.evaluate())
                 break
+            # (rollout.max_staleness > 0: the servers generate the next batches while this one trains.)
+            rollout.prefetch(batch, remaining=config.num_steps - state.step - 1)
+            times.update(overlap_times(rollout, batch, previous, state.step))
+            previous = batch
             # 3. Group-normalised advantages: one per sample.
             responses = with_advantages(batch, config)
             # 4. K mini-batches, one optimizer step each.
@@ -87,6 +92,7 @@ def train(config: TrainConfig) -> None:
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
             timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))
+            times["time_sync_wait_s"] = rollout.sync_wait_s
             stopping = stop.agreed()
             # 6. Held-out evaluation every eval.interval rollout steps and at the end.
             times["time_eval_s"], evaluation = 0.0, {}
@@ -96,7 +102,7 @@ def train(config: TrainConfig) -> None:
             # 7. A checkpoint every `interval` steps, at the end, and when asked to stop.
             times["time_checkpoint_s"] = 0.0
             if checkpoint_due(config, state.step, stopping):
-                timed(times, "time_checkpoint_s", save_checkpoint, config, state, policy)
+                timed(times, "time_checkpoint_s", save_checkpoint, config, state, policy, rollout)
                 saved_step = state.step
             # 8. One record per optimizer step: the step's rollout numbers and timings on each.
             if logger is not None:
@@ -184,10 +190,23 @@ def checkpoint_due(config: TrainConfig, step: int, stopping: bool) -> bool:
     return bool(c.dir) and (step % c.interval == 0 or step == config.num_steps or (stopping and c.save_on_signal))
 
 
-def save_checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy) -> None:
+def save_checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy, rollout: Rollout | None = None
+                    ) -> None:
+    """A checkpoint of `state`, with the batches the servers generated ahead (rank 0 saves them)."""
     if config.checkpoint.dir:
+        if rollout is not None:
+            state.user_state["rollout_ahead"] = rollout.ahead()
         ckpt.save_checkpoint(config.checkpoint.dir, state, policy.model, policy.optimizer, policy.scheduler,
                              keep_last=config.checkpoint.keep_last)
+
+
+def overlap_times(rollout: Rollout, batch: RolloutBatch, previous: RolloutBatch | None, version: int) -> dict:
+    """What overlapping rollouts with training shows: the staleness of the batch's weights, its generation
+    time (in the background with max_staleness > 0) and how long the sampler sat idle before it."""
+    out = {"time_rollout_generate_s": batch.generate_s, **staleness_metrics(batch, version)}
+    if previous is not None and batch.started_at and previous.ended_at:
+        out["time_sampler_idle_s"] = max(batch.started_at - previous.ended_at, 0.0)
+    return out
 
 
 def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: RolloutBatch, records: list[dict],
@@ -197,6 +216,10 @@ def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: Rollo
              "time_recompute_s": sum(r.get("recompute_time_s", 0.0) for r in records),
              "time_train_s": sum(r["train_time_s"] for r in records)}
     rollout_metrics = batch.metrics()
+    # Mini-batch 1 trains the sampling weights' batch before any update: with rollout log-probs (and a
+    # stale batch) its ratios show the gap between behaviour and training policy.
+    rollout_metrics.update({f"{key}_minibatch1": records[0][key] for key in ("clipped_fraction_seq",
+                            "clipped_fraction_token") if key in records[0]})
     k = config.gspo.num_minibatches
     for i, record in enumerate(records):
         logger.log((step - 1) * k + i + 1, {"rollout_step": step, **namespaced({**rollout_metrics, **times, **record})})

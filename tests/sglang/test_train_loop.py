@@ -113,3 +113,44 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model
     time.sleep(1)
     left = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [commands[p.pid][:200] for p in left]
+
+
+def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_path):
+    """rollout.max_staleness=1: step k+1's batch is sampled during step k's training by weights one version
+    old (rollout/staleness_*), pi_old is the sampler's; the batch generated ahead at a checkpoint is saved
+    with it, and a run resumed there trains on exactly that batch (same rewards, lengths and loss)."""
+    run_dir = tmp_path / "run"
+    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
+                 f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=2", "num_steps=3", "eval.interval=0",
+                 "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
+                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "gspo.dynamic_sampling=false"]
+
+    def train(*extra):
+        proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train",
+                               str(REPO / "examples/tiny_cpu.yaml"), *overrides, *extra], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        return [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "loss/value" in r]
+
+    records = train()
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["rollout/weight_version"] for r in records] == ["0", "0", "0", "0", "1", "1"]
+    assert [r["rollout/staleness_max"] for r in records] == [0, 0, 1, 1, 1, 1]
+    assert all(r["time/sync_wait_s"] >= 0 and r["time/rollout_generate_s"] > 0 for r in records)
+    assert records[2]["loss/clipped_fraction_seq_minibatch1"] == records[2 + 1]["loss/clipped_fraction_seq_minibatch1"]
+    ahead = torch.load(run_dir / "ckpt" / "iter_0000002" / "trainer.pt", weights_only=False)["user_state"]["rollout_ahead"]
+    assert [b.position for b in ahead] == [8]  # step 3's batch: prompts 8-11, sampled before the checkpoint
+    # Resume from step 2 as if step 3 had never happened.
+    import shutil
+    shutil.rmtree(run_dir / "ckpt" / "iter_0000003")
+    (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    resumed = train()
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for before, after in zip(records[4:], resumed[4:]):
+        assert after["rollout/weight_version"] == "1"
+        for key in ("reward/mean", "rollout/response_length_mean"):
+            assert after[key] == before[key], (key, before[key], after[key])
+        assert abs(after["loss/value"] - before["loss/value"]) <= 1e-6, (before["loss/value"], after["loss/value"])

@@ -175,3 +175,12 @@ def test_yaml_off_is_the_word_off(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: {preset: tiny_moe}\nrollout: {backend: megatron}\ngspo: {routing_replay: off}\n")
     assert load_config(path).gspo.routing_replay == "off"
+
+
+def test_overlapped_rollouts_need_sglang_and_rollout_logprobs():
+    with pytest.raises(ValueError, match="rollout.max_staleness must be 0 with rollout.backend=megatron"):
+        load_config(EXAMPLES / "tiny_moe_cpu.yaml", ["rollout.max_staleness=1"])  # the in-process backend
+    with pytest.raises(ValueError, match="rollout.max_staleness > 0 needs gspo.old_logprobs=rollout"):
+        load_config(TINY, ["rollout.max_staleness=1"])
+    config = load_config(TINY, ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"])
+    assert config.rollout.max_staleness == 1

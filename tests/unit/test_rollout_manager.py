@@ -3,7 +3,10 @@
 One process in a gloo world of one (the collectives are then identities): a fake backend stands in for
 SGLang or the in-process sampler.
 """
+import dataclasses
 import itertools
+import pickle
+import time
 import types
 
 import pytest
@@ -13,7 +16,7 @@ from megatron_gspo.config import GSPOConfig, ModelConfig, RewardConfig, TrainCon
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.rollout.client import RolloutError, RolloutStats
-from megatron_gspo.rollout.manager import Ended, Rollout
+from megatron_gspo.rollout.manager import Ended, Rollout, staleness_metrics
 from megatron_gspo.net import free_port
 from megatron_gspo.samples import Prompt, Sample
 
@@ -161,3 +164,114 @@ def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
     walked.clear()
     assert make_rollout(Backend(collective=True), stop()).sync_weights(export, "6") is True
     assert walked == []  # the trained model samples: nothing to export
+
+
+class SlowServers(Backend):
+    """Servers that take `delay` seconds per generate call, stamp samples with their weight version, and
+    fail the test if weights are pushed or an eval runs while a batch is being generated."""
+
+    def __init__(self, delay=0.2):
+        super().__init__()
+        self.delay, self.version, self.busy = delay, "0", 0
+        self.events = []
+
+    async def generate(self, prompts, *, n=None, sampling=None, on_group=None):
+        import asyncio
+        self.busy += 1
+        self.events.append(("start", prompts[0].group_id, "eval" if sampling is not None else self.version))
+        await asyncio.sleep(self.delay)
+        groups, stats = await super().generate(prompts, n=n, sampling=sampling, on_group=None)
+        for group in groups:
+            for s in group:
+                s.weight_version = self.version
+            if on_group:
+                on_group(group)
+        self.busy -= 1
+        self.events.append(("end", prompts[0].group_id, self.version))
+        return groups, stats
+
+    def sync_weights(self, named_tensors, version):
+        assert not self.busy, "weights pushed while a batch was being generated"
+        super().sync_weights(named_tensors, version)
+        self.version = version
+
+
+def overlapping(staleness, backend, eval_sets=None):
+    config = dataclasses.replace(CONFIG, rollout=dataclasses.replace(CONFIG.rollout, max_staleness=staleness),
+                                 gspo=dataclasses.replace(CONFIG.gspo, old_logprobs="rollout"))
+    scorer = Scorer(POOL[0], RewardConfig(fn="exact_match"), collective=False)
+    return Rollout(backend, Prompts(), scorer, config, stop(), eval_sets)
+
+
+def test_one_step_off_generates_the_next_batch_while_the_current_one_trains():
+    backend = SlowServers(delay=0.3)
+    rollout = overlapping(1, backend)
+    position, versions = 0, []
+    for step in range(3):
+        batch = rollout.generate(position)
+        assert batch.position == position
+        rollout.prefetch(batch, remaining=3 - step - 1)
+        versions.append({s.weight_version for g in batch.scored.groups for s in g})
+        time.sleep(0.3)                                   # "training" while the servers generate
+        backend.events.append(("trained", step, None))
+        rollout.sync_weights(lambda: iter([("w", None)]), str(step + 1))
+        position = batch.next_position
+    # batch 1 by the start weights; batch 2 was generated during step 1's training, before its weights
+    assert versions == [{"0"}, {"0"}, {"1"}]
+    assert staleness_metrics(batch, 2) == {"rollout_staleness_mean": 1.0, "rollout_staleness_max": 1.0}
+    at = {(e[0], e[1]): i for i, e in enumerate(backend.events)}
+    assert at["start", 3] < at["trained", 0] and at["start", 6] < at["trained", 1], backend.events  # overlap
+    assert at["trained", 0] < at["start", 6], backend.events  # held back until step 1's weights were pushed
+    assert ("start", 9) not in at                           # the run's last step prefetched nothing
+    assert not rollout._ahead                              # the run's last step prefetched nothing
+    rollout.close()
+
+
+def test_a_push_waits_for_the_batch_being_generated_and_holds_back_the_next():
+    backend = SlowServers(delay=0.3)
+    rollout = overlapping(2, backend)
+    batch = rollout.generate(0)
+    rollout.prefetch(batch, remaining=10)
+    time.sleep(0.05)                                        # the next batch is being generated
+    rollout.sync_weights(lambda: iter([("w", None)]), "1")  # SlowServers asserts nothing is generating
+    assert rollout.sync_wait_s > 0.0
+    second, third = rollout.generate(3), rollout.generate(6)
+    assert {s.weight_version for g in second.scored.groups for s in g} == {"0"}
+    assert {s.weight_version for g in third.scored.groups for s in g} == {"1"}  # started after the push
+    rollout.close()
+
+
+def test_batches_generated_ahead_survive_a_checkpoint():
+    backend = SlowServers(delay=0.05)
+    rollout = overlapping(1, backend)
+    batch = rollout.generate(0)
+    rollout.prefetch(batch, remaining=5)
+    kept = rollout.ahead()                                   # waits for the one being generated
+    assert [b.position for b in kept] == [3]
+    rollout.close()
+    resumed_backend = SlowServers(delay=0.05)
+    resumed = overlapping(1, resumed_backend)
+    resumed.preload(pickle.loads(pickle.dumps(kept)))       # through the checkpoint's pickle
+    again = resumed.generate(3)
+    assert again.scored.groups[0][0].group_id == 3 and not resumed_backend.events  # not generated again
+    with pytest.raises(RuntimeError, match="starts at prompt 3, the trainer asks for 6"):
+        resumed.preload(kept)
+        resumed.generate(6)
+    resumed.close()
+
+
+def test_eval_holds_the_background_batch_back():
+    eval_sets = {"held_out": [Prompt(group_id=100 + i, prompt_ids=[9], answer="1") for i in range(2)]}
+    backend = SlowServers(delay=0.2)
+    rollout = overlapping(1, backend, eval_sets)
+    batch = rollout.generate(0)
+    rollout.prefetch(batch, remaining=5)
+    time.sleep(0.05)
+    rollout.evaluate()
+    starts = [e for e in backend.events if e[0] == "start"]
+    ends = [e for e in backend.events if e[0] == "end"]
+    # the eval's requests start only after the background batch (group 3) ended
+    eval_start = next(i for i, e in enumerate(backend.events) if e[0] == "start" and e[2] == "eval")
+    assert any(e[0] == "end" and e[1] == 3 for e in backend.events[:eval_start]), backend.events
+    assert len(starts) == len(ends)
+    rollout.close()
