@@ -86,6 +86,18 @@ def _mean(values) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def _per_step(records: list[dict], key: str) -> list[float]:
+    steps: dict[int, list] = {}
+    for r in records:
+        if r.get(key) is not None:
+            steps.setdefault(r["rollout_step"], []).append(r[key])
+    return [statistics.fmean(steps[s]) for s in sorted(steps)]
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
 def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
     records = read_metrics(run_dir)
     train = [r for r in records if "loss/value" in r]
@@ -109,12 +121,13 @@ def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
         "train_s": statistics.median(first_of_step[s]["time/train_s"] for s in first_of_step),
         "response_length": _mean(first_of_step[s]["rollout/response_length_mean"] for s in first_of_step),
         "wall_s": wall_s,
+        # per rollout step: the mean over its mini-batches (all K for clipping, 2..K for the rest)
         "series": {"reward": rewards,
-                   "clipped_token": [r["loss/clipped_fraction_token"] for r in train],
-                   "routing_changed": [r.get("moe/routing_changed_fraction") for r in later],
-                   "log_w_std": [r["loss/log_ratio_token_std"] for r in later],
-                   "log_s_std": [r["loss/log_ratio_seq_std"] for r in later],
-                   "eval": [(r["step"], r[EVAL_KEY]) for r in records if r.get(EVAL_KEY) is not None]},
+                   "clipped_token": _per_step(train, "loss/clipped_fraction_token"),
+                   "routing_changed": _per_step(later, "moe/routing_changed_fraction"),
+                   "log_w_std": _per_step(later, "loss/log_ratio_token_std"),
+                   "log_s_std": _per_step(later, "loss/log_ratio_seq_std"),
+                   "eval": [(r["rollout_step"], r[EVAL_KEY]) for r in records if r.get(EVAL_KEY) is not None]},
     }
 
 
@@ -154,21 +167,24 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no figure")
         return
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
-    for row in rows:
-        s = row["series"]
-        rewards = s["reward"]
-        smooth = [statistics.fmean(rewards[max(0, i - 9):i + 1]) for i in range(len(rewards))]
-        axes[0, 0].plot(range(1, len(rewards) + 1), smooth, label=row["arm"])
-        axes[0, 1].plot(s["clipped_token"], linewidth=0.8, label=row["arm"])
-        axes[1, 0].plot([v for v in s["routing_changed"] if v is not None], linewidth=0.8, label=row["arm"])
-        axes[1, 1].plot(s["log_w_std"], linewidth=0.8, label=f"{row['arm']}: log w_t")
-        axes[1, 1].plot(s["log_s_std"], linewidth=0.8, linestyle="--", label=f"{row['arm']}: log s_i")
-    axes[0, 0].set(title="train reward (10-step mean)", xlabel="rollout step")
-    axes[0, 1].set(title="clipped fraction of tokens", xlabel="optimizer step", yscale="symlog")
-    axes[0, 1].set_yscale("symlog", linthresh=1e-4)
-    axes[1, 0].set(title="MoE routing changed vs pi_old (mini-batches 2-K)", xlabel="optimizer step after an update")
-    axes[1, 1].set(title="std of log ratios: token (solid) vs sequence (dashed)", xlabel="optimizer step after an update")
+    fig, axes = plt.subplots(2, 3, figsize=(14, 6.5))
+    for i, row in enumerate(rows):
+        s, color = row["series"], f"C{i}"
+        axes[0, 0].plot(range(1, len(s["reward"]) + 1), _smooth(s["reward"]), color=color, label=row["arm"])
+        if s["eval"]:
+            axes[0, 1].plot(*zip(*s["eval"]), marker="o", color=color, label=row["arm"])
+        axes[0, 2].plot(_smooth(s["clipped_token"]), color=color, label=row["arm"])
+        if s["routing_changed"]:
+            axes[1, 0].plot(_smooth(s["routing_changed"]), color=color, label=row["arm"])
+        axes[1, 1].plot(_smooth(s["log_w_std"]), color=color, label=row["arm"])
+        axes[1, 2].plot(_smooth(s["log_s_std"]), color=color, label=row["arm"])
+    axes[0, 0].set(title="train reward", xlabel="rollout step")
+    axes[0, 1].set(title="held-out mean@16 (10 prompts)", xlabel="rollout step")
+    axes[0, 2].set(title="clipped fraction of tokens", xlabel="rollout step", yscale="log")
+    axes[1, 0].set(title="MoE routing changed vs pi_old", xlabel="rollout step")
+    axes[1, 1].set(title="std of log w_t (token ratios)", xlabel="rollout step")
+    axes[1, 2].set(title="std of log s_i (sequence ratios)", xlabel="rollout step")
+    fig.suptitle("10-step means; routing and ratio spreads over mini-batches 2-K (after an update)", fontsize=9)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -184,6 +200,7 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "runs" / "paper_moe"), help="model, runs and results")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--only-model", action="store_true", help="make OUT/hf and stop")
+    p.add_argument("--no-train", action="store_true", help="summarize the arms' runs already in OUT")
     p.add_argument("overrides", nargs="*", help="config overrides for every arm (key.sub=value)")
     args = p.parse_args()
     arms = args.arms.split(",")
@@ -198,7 +215,7 @@ def main() -> int:
         return 0
     rows = []
     for arm in arms:
-        wall = run_arm(arm, hf, out, args.steps, [f"seed={args.seed}", *args.overrides])
+        wall = 0.0 if args.no_train else run_arm(arm, hf, out, args.steps, [f"seed={args.seed}", *args.overrides])
         rows.append(summarize(arm, out / arm, wall))
     results = out / "results"
     results.mkdir(exist_ok=True)
