@@ -1,0 +1,348 @@
+"""Benchmark: this project's GSPO training step vs Megatron-Core's own, same model, same micro-batches.
+
+Four passes over one packed mini-batch, in the same processes, on the same weights:
+  (a) gspo train       training/step.py:_optimizer_step with policy_forward_step (the trainer's
+                       recompute mode: no entropy in the training forward): logits ->
+                       vocab_parallel_logprobs (in place) -> GSPO policy_loss -> backward ->
+                       Megatron's optimizer step, through model/schedule.py:run_schedule
+  (b) megatron train   the same schedule, DDP and optimizer with Megatron-LM pretraining's loss:
+                       GPTModel(..., labels=) runs tensor_parallel.vocab_parallel_cross_entropy
+                       inside the model, loss_func is the masked mean over the micro-batch's
+                       response tokens (pretrain_gpt.py's legacy two-tuple contract, as
+                       calculate_per_token_loss=False here), its value averaged over DP for logging
+  (c) gspo recompute   training/step.py:_recompute_old_logprobs: forward-only, log-probs + entropy
+                       of every response token, the rollout-gap / entropy reduction
+  (d) megatron forward (b)'s forward step with forward_only=True under torch.no_grad(), as
+                       Megatron-LM's evaluate() runs it
+Both step functions are private (underscore) names of training/step.py, imported as they are.
+
+The mini-batch: N responses in groups of G, prompts of 20-60 tokens, response lengths lognormal
+(median --median-len, log-std --sigma, capped at --max-len, like a max_new_tokens), random token
+ids and group advantages from random 0/1 rewards, packed by training/packing.py:pack_minibatch
+exactly as the trainer packs it (training/step.py:_pack). padding_fraction = padded positions /
+all positions of this DP rank's micro-batches (mean over DP ranks).
+
+Each rep runs all four passes, in the order a b c d on even reps and b a d c on odd ones, so the
+noise of a shared machine hits both sides of each ratio; rep 0 is a warm-up, left out. The
+learning rate is 0 (Adam's arithmetic still runs in full), so every rep sees the same weights and
+pass (a) is always on-policy (s_i = 1), as mini-batch 1 of a recompute step is. Time: wall time
+of the pass between two barriers (so the slowest rank's), median over reps; the ratio column is
+the median of the per-rep ratios a/b and c/d (paired, same rep). Per trained token: divided by
+the response tokens (loss-mask positions) and by all real tokens (prompt + response) of the
+mini-batch over every DP rank. Memory, per rank, max over ranks and reps: peak RSS (VmHWM, reset
+through /proc/self/clear_refs just before the pass) and `extra` = that peak minus the RSS just
+before the pass, after malloc_trim(0) has handed the previous pass's freed pages back, so that
+the order of the passes does not colour their peaks. `logits` is the largest micro-batch's
+float32 logits shard (rows x length x padded vocab / TP), the unit of the issue's memory target.
+
+    python benchmarks/train_overhead.py                      # tp1, tp2, ep2; 64 responses, 4 reps
+    python benchmarks/train_overhead.py --layouts tp1 --reps 8 --vocab 4096
+    python benchmarks/train_overhead.py --quick              # smoke run (tests/distributed/...)
+
+Layouts: tp1 = 1 process, tiny_dense; tp2 = 2 processes, tiny_dense at TP2; ep2 = 2 processes,
+tiny_moe (4 experts, top-2) with its experts over 2 ranks (DP 2). 1 thread per rank, gloo, CPU.
+
+Measured (2026-12-04, this 2-core machine shared with two other jobs, `nice -n 10`): see the
+end of this docstring, filled in from the run.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package, also where another is installed
+
+from megatron_gspo.config import OptimizerConfig, ParallelConfig  # noqa: E402
+from megatron_gspo.loss.advantages import group_advantages  # noqa: E402
+from megatron_gspo.model.gpt import padded_vocab_size  # noqa: E402
+from megatron_gspo.model.presets import PRESETS  # noqa: E402
+from megatron_gspo.training.packing import Response, pack_minibatch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Layout:
+    nproc: int
+    tp: int
+    ep: int
+    preset: str
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, ep=self.ep, dp=self.nproc // self.tp)
+
+
+LAYOUTS = {"tp1": Layout(1, 1, 1, "tiny_dense"), "tp2": Layout(2, 2, 1, "tiny_dense"),
+           "ep2": Layout(2, 1, 2, "tiny_moe")}
+PASSES = ("gspo train", "megatron train", "gspo recompute", "megatron forward")
+ORDER = ((0, 1, 2, 3), (1, 0, 3, 2))  # even reps, odd reps
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", default="tp1,tp2,ep2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--reps", type=int, default=4, help="timed reps per pass (after one warm-up)")
+    p.add_argument("--responses", type=int, default=64, help="N: responses in the mini-batch")
+    p.add_argument("--group-size", type=int, default=8, help="G: responses per prompt (advantage groups)")
+    p.add_argument("--median-len", type=float, default=160.0, help="median response length (tokens)")
+    p.add_argument("--sigma", type=float, default=0.9, help="log-std of the lognormal response length")
+    p.add_argument("--max-len", type=int, default=1024, help="response length cap (max_new_tokens)")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="parallel.max_tokens_per_microbatch (the demo's: 4096)")
+    p.add_argument("--vocab", type=int, default=None, help="true vocabulary size (default: the preset's, 500)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="smoke size: 8 short responses, 1 rep")
+    p.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.responses, args.group_size = 1, 8, 4
+        args.median_len, args.max_len, args.max_tokens = 12.0, 48, 256
+    args.layouts = args.layouts.split(",")
+    for name in args.layouts:
+        if name not in LAYOUTS:
+            p.error(f"--layouts: unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
+    if args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
+    if args.responses % args.group_size:
+        p.error(f"--responses {args.responses} is not a multiple of --group-size {args.group_size}")
+    return args
+
+
+def model_shape(layout: Layout, vocab: int | None):
+    shape = PRESETS[layout.preset]
+    return shape if vocab is None else dataclasses.replace(shape, vocab_size=vocab)
+
+
+def long_tailed_responses(args, vocab_size: int) -> list[Response]:
+    """N responses: prompts of 20-60 tokens, lognormal response lengths, group advantages."""
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.empty(args.responses).log_normal_(math.log(args.median_len), args.sigma, generator=g)
+    lengths = lengths.round().clamp(1, args.max_len).long().tolist()
+    rewards = torch.randint(0, 2, (args.responses,), generator=g).float()
+    advantages = group_advantages(rewards, args.group_size).advantages_R.tolist()
+    responses = []
+    for i, length in enumerate(lengths):
+        if i % args.group_size == 0:  # one prompt per group
+            prompt = torch.randint(1, vocab_size, (int(torch.randint(20, 61, (), generator=g)),), generator=g)
+        response = torch.randint(1, vocab_size, (length,), generator=g)
+        responses.append(Response(prompt.tolist(), response.tolist(), advantages[i]))
+    return responses
+
+
+def real_tokens(packed, responses) -> int:
+    """Prompt + response tokens in this DP rank's micro-batches (the rest of each row is padding)."""
+    return sum(len(responses[i].prompt_ids) + len(responses[i].response_ids) for rows in packed.rows for i in rows)
+
+
+def padding_fraction(packed, responses) -> float:
+    """Padded positions / all positions of this DP rank's micro-batches."""
+    return 1.0 - real_tokens(packed, responses) / sum(mb.tokens_BS.numel() for mb in packed.micro_batches)
+
+
+# ----------------------------------------------------------------------------------------- worker
+
+def _mem_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: reset VmHWM to the current RSS
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def megatron_forward_step(pgs):
+    """Megatron-LM pretraining's forward step on our MicroBatch: the model computes the per-token
+    cross entropy (vocab_parallel_cross_entropy) from labels, loss_func takes its masked mean."""
+    import torch.distributed as dist
+
+    def loss_func(loss_mask_BS, losses_BS):
+        mask = loss_mask_BS.reshape(-1).float()
+        loss = torch.sum(losses_BS.float().reshape(-1) * mask) / mask.sum()
+        reported = loss.detach().clone()  # average_losses_across_data_parallel_group
+        dist.all_reduce(reported, group=pgs.dp)
+        return loss, {"lm loss": reported / pgs.dp.size()}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
+        losses_BS = model(batch.tokens_BS, positions_BS, None, labels=batch.labels_BS)
+        return losses_BS, functools.partial(loss_func, batch.loss_mask_BS)
+
+    return forward_step
+
+
+def worker(args):
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+
+    from megatron_gspo.model.gpt import build_model, transformer_config
+    from megatron_gspo.model.schedule import run_schedule
+    from megatron_gspo.parallel.groups import init_megatron, manual_seed
+    from megatron_gspo.training.forward_step import LossSettings
+    from megatron_gspo.training.optimizer import build_optimizer
+    from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs
+
+    layout = LAYOUTS[args.worker]
+    pgs = init_megatron(layout.parallel(), seed=args.seed)
+    shape = model_shape(layout, args.vocab)
+    manual_seed(args.seed, pgs)
+    model = build_model(shape, transformer_config(shape, layout.parallel()), pgs=pgs)
+    optimizer, _ = build_optimizer(model, OptimizerConfig(lr=1e-6), total_steps=1)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # the same weights every rep (see the docstring)
+    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
+    responses = long_tailed_responses(args, shape.vocab_size)
+    mini = _pack(responses, pgs, args.max_tokens)
+
+    def megatron_step():
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs = run_schedule(model, mini, megatron_forward_step(pgs), pgs=pgs, forward_only=False)
+        optimizer.step()
+        return {"loss": statistics.fmean(float(o["lm loss"]) for o in outputs)}
+
+    @torch.no_grad()
+    def megatron_forward():
+        outputs = run_schedule(model, mini, megatron_forward_step(pgs), pgs=pgs, forward_only=True)
+        return {"loss": statistics.fmean(float(o["lm loss"]) for o in outputs)}
+
+    def recompute():
+        out = _recompute_old_logprobs(model, mini, loss, pgs)
+        # -mean log-prob of the response tokens on this rank: comparable with (d)'s cross entropy
+        logp = sum(float(mb.old_logprobs_BS.sum()) for mb in mini.micro_batches)
+        count = sum(float(mb.loss_mask_BS.sum()) for mb in mini.micro_batches)
+        return {"entropy": out["entropy"], "loss": -logp / count}
+
+    passes = [lambda: _optimizer_step(model, optimizer, mini, loss, pgs), megatron_step, recompute,
+              megatron_forward]
+    times = [[] for _ in PASSES]
+    extra_kb = [0] * len(PASSES)
+    peak_kb = [0] * len(PASSES)
+    values = [{} for _ in PASSES]
+    # (a) trains on the recomputed old log-probs: fill them before the first (a)
+    _recompute_old_logprobs(model, mini, loss, pgs)
+    for rep in range(args.reps + 1):  # rep 0: warm-up
+        for i in ORDER[rep % 2]:
+            _LIBC.malloc_trim(0)
+            base = _mem_kb("VmRSS")
+            _reset_peak_rss()
+            dist.barrier()
+            start = time.perf_counter()
+            record = passes[i]()
+            dist.barrier()
+            elapsed = time.perf_counter() - start
+            if rep > 0:
+                times[i].append(elapsed)
+                peak = _mem_kb("VmHWM")
+                extra_kb[i] = max(extra_kb[i], peak - base)
+                peak_kb[i] = max(peak_kb[i], peak)
+            values[i] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy", "grad_norm")}
+
+    tokens = torch.tensor([sum(float(mb.loss_mask_BS.sum()) for mb in mini.micro_batches),
+                           real_tokens(mini, responses), padding_fraction(mini, responses)],
+                          dtype=torch.float64)
+    dist.all_reduce(tokens, group=pgs.dp)  # response tokens, real tokens, padding fraction (sum)
+    memory = torch.tensor(extra_kb + peak_kb, dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    max_rows_len = max(mb.tokens_BS.numel() for mb in mini.micro_batches)
+    logits_kb = max_rows_len * padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp * 4 / 1024
+    if dist.get_rank() == 0 and is_pp_last_stage(pgs.pp):
+        n = len(PASSES)
+        print("RESULT " + json.dumps({
+            "layout": args.worker, "nproc": layout.nproc, "preset": layout.preset, "vocab": shape.vocab_size,
+            "microbatches": mini.num_microbatches, "response_tokens": tokens[0].item(),
+            "tokens": tokens[1].item(), "padding_fraction": tokens[2].item() / pgs.dp.size(),
+            "logits_mb": logits_kb / 1024, "times": times, "values": values,
+            "extra_mb": [m / 1024 for m in memory[:n].tolist()], "peak_mb": [m / 1024 for m in memory[n:].tolist()]}),
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo occasionally aborts there (see benchmarks/logprobs.py)
+
+
+# ----------------------------------------------------------------------------------------- driver
+
+def main(args):
+    from tests.torchrun import torchrun
+
+    print(f"N={args.responses} responses (G={args.group_size}), prompts 20-60 tokens, response lengths "
+          f"lognormal(median {args.median_len:g}, sigma {args.sigma:g}) capped at {args.max_len}, "
+          f"max_tokens_per_microbatch={args.max_tokens}, reps={args.reps} (+1 warm-up), "
+          f"1 thread per rank, gloo, CPU", flush=True)
+    forwarded = ["--reps", args.reps, "--responses", args.responses, "--group-size", args.group_size,
+                 "--median-len", args.median_len, "--sigma", args.sigma, "--max-len", args.max_len,
+                 "--max-tokens", args.max_tokens, "--seed", args.seed]
+    if args.vocab is not None:
+        forwarded += ["--vocab", args.vocab]
+    rows = []
+    for name in args.layouts:
+        out = torchrun(__file__, LAYOUTS[name].nproc, "--worker", name, *forwarded, timeout=3600)
+        results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        if len(results) != 1:
+            raise RuntimeError(f"layout {name}: expected one RESULT line from the worker, got "
+                               f"{len(results)}:\n{out[-4000:]}")
+        rows.append(results[0])
+        print(f"  done {name}", flush=True)
+    print_table(rows)
+
+
+def paired_ratios(r) -> list[float]:
+    """Median over reps of t(a)/t(b) and t(c)/t(d), each rep's pair from the same rep."""
+    t = r["times"]
+    return [statistics.median(x / y for x, y in zip(t[i], t[i + 1])) for i in (0, 2)]
+
+
+def print_table(rows) -> None:
+    print()
+    print("time: median s per pass over reps (slowest rank); us/resp, us/tok: per response token and per real\n"
+          "token of the mini-batch (all DP ranks); ratio: median of per-rep gspo/megatron (train: a/b,\n"
+          "forward: c/d); peak: VmHWM MB, extra: peak above the RSS before the pass, MB (max over ranks)")
+    head = (f"{'layout':6s} {'pass':17s} {'time s':>8} {'us/resp':>8} {'us/tok':>7} {'ratio':>6} "
+            f"{'peak MB':>8} {'extra MB':>9} {'x logits':>8} {'value':>20}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ratios = paired_ratios(r)
+        for i, name in enumerate(PASSES):
+            t = statistics.median(r["times"][i])
+            ratio = f"{ratios[i // 2]:.3f}" if i % 2 == 0 else ""
+            v = r["values"][i]
+            value = "  ".join(f"{k[:4]} {v[k]:.4f}" for k in ("loss", "entropy") if k in v)
+            print(f"{r['layout']:6s} {name:17s} {t:8.3f} {1e6 * t / r['response_tokens']:8.1f} "
+                  f"{1e6 * t / r['tokens']:7.1f} {ratio:>6} {r['peak_mb'][i]:8.1f} {r['extra_mb'][i]:9.1f} "
+                  f"{r['extra_mb'][i] / r['logits_mb']:8.2f} {value:>20}")
+    print()
+    for r in rows:
+        print(f"{r['layout']}: {r['preset']} V={r['vocab']} x{r['nproc']} ranks, {r['microbatches']} micro-batches "
+              f"per rank, {r['response_tokens']:.0f} response / {r['tokens']:.0f} real tokens, "
+              f"padding_fraction {r['padding_fraction']:.3f}, largest logits shard {r['logits_mb']:.1f} MB")
+    print("value: train/forward loss (gspo: -J at s=1, i.e. -mean A; megatron: masked mean CE over all padded\n"
+          "vocab rows); recompute: -mean log-prob over the true vocab, and the mean entropy")
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    if _args.worker:
+        worker(_args)
+    else:
+        main(_args)
