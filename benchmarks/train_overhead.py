@@ -226,15 +226,12 @@ def worker(args):
         return {"loss": statistics.fmean(float(o["lm loss"]) for o in outputs)}
 
     def recompute():
-        out = _recompute_old_logprobs(model, mini, loss, pgs)
-        # -mean log-prob of the response tokens on this rank: comparable with (d)'s cross entropy
-        logp = sum(float(mb.old_logprobs_BS.sum()) for mb in mini.micro_batches)
-        count = sum(float(mb.loss_mask_BS.sum()) for mb in mini.micro_batches)
-        return {"entropy": out["entropy"], "loss": -logp / count}
+        return _recompute_old_logprobs(model, mini, loss, pgs)
 
     passes = [lambda: _optimizer_step(model, optimizer, mini, loss, pgs), megatron_step, recompute,
               megatron_forward]
-    times = [[] for _ in PASSES]
+    times = [[] for _ in PASSES]  # wall s per rep
+    cpu = [[] for _ in PASSES]  # this process's CPU s per rep (all threads)
     extra_kb = [0] * len(PASSES)
     peak_kb = [0] * len(PASSES)
     values = [{} for _ in PASSES]
@@ -246,23 +243,30 @@ def worker(args):
             base = _mem_kb("VmRSS")
             _reset_peak_rss()
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             record = passes[i]()
             dist.barrier()
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if rep > 0:
                 times[i].append(elapsed)
+                cpu[i].append(elapsed_cpu)
                 peak = _mem_kb("VmHWM")
                 extra_kb[i] = max(extra_kb[i], peak - base)
                 peak_kb[i] = max(peak_kb[i], peak)
             values[i] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy", "grad_norm")}
 
+    # response tokens, real tokens, padding fraction (summed over DP here), sum of the recomputed
+    # log-probs (the old_logprobs_BS that (c) filled in; zero off the loss mask)
     tokens = torch.tensor([sum(float(mb.loss_mask_BS.sum()) for mb in mini.micro_batches),
-                           real_tokens(mini, responses), padding_fraction(mini, responses)],
+                           real_tokens(mini, responses), padding_fraction(mini, responses),
+                           sum(float(mb.old_logprobs_BS.double().sum()) for mb in mini.micro_batches)],
                           dtype=torch.float64)
-    dist.all_reduce(tokens, group=pgs.dp)  # response tokens, real tokens, padding fraction (sum)
+    dist.all_reduce(tokens, group=pgs.dp)
+    values[2]["loss"] = -tokens[3].item() / tokens[0].item()  # comparable with (d)'s cross entropy
     memory = torch.tensor(extra_kb + peak_kb, dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    cpu_max = torch.tensor(cpu, dtype=torch.float64)
+    dist.all_reduce(cpu_max, op=dist.ReduceOp.MAX)  # per pass and rep: the busiest rank's
     max_rows_len = max(mb.tokens_BS.numel() for mb in mini.micro_batches)
     logits_kb = max_rows_len * padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp * 4 / 1024
     if dist.get_rank() == 0 and is_pp_last_stage(pgs.pp):
@@ -271,7 +275,7 @@ def worker(args):
             "layout": args.worker, "nproc": layout.nproc, "preset": layout.preset, "vocab": shape.vocab_size,
             "microbatches": mini.num_microbatches, "response_tokens": tokens[0].item(),
             "tokens": tokens[1].item(), "padding_fraction": tokens[2].item() / pgs.dp.size(),
-            "logits_mb": logits_kb / 1024, "times": times, "values": values,
+            "logits_mb": logits_kb / 1024, "times": times, "cpu": cpu_max.tolist(), "values": values,
             "extra_mb": [m / 1024 for m in memory[:n].tolist()], "peak_mb": [m / 1024 for m in memory[n:].tolist()]}),
               flush=True)
     dist.barrier()
@@ -306,38 +310,43 @@ def main(args):
     print_table(rows)
 
 
-def paired_ratios(r) -> list[float]:
-    """Median over reps of t(a)/t(b) and t(c)/t(d), each rep's pair from the same rep."""
-    t = r["times"]
-    return [statistics.median(x / y for x, y in zip(t[i], t[i + 1])) for i in (0, 2)]
+def paired_ratios(times) -> list[float]:
+    """Median over reps of t(a)/t(b) and of t(c)/t(d), each pair from the same rep."""
+    return [statistics.median(x / y for x, y in zip(times[i], times[i + 1])) for i in (0, 2)]
 
 
 def print_table(rows) -> None:
     print()
-    print("time: median s per pass over reps (slowest rank); us/resp, us/tok: per response token and per real\n"
-          "token of the mini-batch (all DP ranks); ratio: median of per-rep gspo/megatron (train: a/b,\n"
-          "forward: c/d); peak: VmHWM MB, extra: peak above the RSS before the pass, MB (max over ranks)")
-    head = (f"{'layout':6s} {'pass':17s} {'time s':>8} {'us/resp':>8} {'us/tok':>7} {'ratio':>6} "
-            f"{'peak MB':>8} {'extra MB':>9} {'x logits':>8} {'value':>20}")
+    print("wall: median s per pass over reps (between barriers: the slowest rank); cpu: median CPU s of the\n"
+          "busiest rank (all its threads; less coloured by other jobs than wall time on a shared machine);\n"
+          "us/resp, us/tok: cpu time per response token / per real token of the mini-batch (all DP ranks);\n"
+          "x meg: median of per-rep gspo/megatron ratios (train a/b, forward c/d), wall and cpu;\n"
+          "peak: VmHWM MB; extra: peak above the RSS before the pass, MB; both max over ranks and reps")
+    head = (f"{'layout':6s} {'pass':17s} {'wall s':>7} {'cpu s':>7} {'us/resp':>8} {'us/tok':>7} "
+            f"{'x meg wall':>10} {'x meg cpu':>9} {'peak MB':>8} {'extra MB':>9} {'x logits':>8}  value")
     print(head)
     print("-" * len(head))
     for r in rows:
-        ratios = paired_ratios(r)
+        wall_ratios, cpu_ratios = paired_ratios(r["times"]), paired_ratios(r["cpu"])
         for i, name in enumerate(PASSES):
-            t = statistics.median(r["times"][i])
-            ratio = f"{ratios[i // 2]:.3f}" if i % 2 == 0 else ""
+            wall, cpu = statistics.median(r["times"][i]), statistics.median(r["cpu"][i])
+            ratios = (f"{wall_ratios[i // 2]:10.3f} {cpu_ratios[i // 2]:9.3f}" if i % 2 == 0
+                      else f"{'':10s} {'':9s}")
             v = r["values"][i]
-            value = "  ".join(f"{k[:4]} {v[k]:.4f}" for k in ("loss", "entropy") if k in v)
-            print(f"{r['layout']:6s} {name:17s} {t:8.3f} {1e6 * t / r['response_tokens']:8.1f} "
-                  f"{1e6 * t / r['tokens']:7.1f} {ratio:>6} {r['peak_mb'][i]:8.1f} {r['extra_mb'][i]:9.1f} "
-                  f"{r['extra_mb'][i] / r['logits_mb']:8.2f} {value:>20}")
+            value = "  ".join(f"{k} {v[k]:.4f}" for k in ("loss", "entropy") if k in v)
+            print(f"{r['layout']:6s} {name:17s} {wall:7.3f} {cpu:7.3f} {1e6 * cpu / r['response_tokens']:8.1f} "
+                  f"{1e6 * cpu / r['tokens']:7.1f} {ratios} {r['peak_mb'][i]:8.1f} {r['extra_mb'][i]:9.1f} "
+                  f"{r['extra_mb'][i] / r['logits_mb']:8.2f}  {value}")
     print()
     for r in rows:
         print(f"{r['layout']}: {r['preset']} V={r['vocab']} x{r['nproc']} ranks, {r['microbatches']} micro-batches "
               f"per rank, {r['response_tokens']:.0f} response / {r['tokens']:.0f} real tokens, "
               f"padding_fraction {r['padding_fraction']:.3f}, largest logits shard {r['logits_mb']:.1f} MB")
-    print("value: train/forward loss (gspo: -J at s=1, i.e. -mean A; megatron: masked mean CE over all padded\n"
-          "vocab rows); recompute: -mean log-prob over the true vocab, and the mean entropy")
+        for a, b, what in ((0, 1, "train"), (2, 3, "forward")):
+            delta = r["extra_mb"][a] - r["extra_mb"][b]
+            print(f"    {what}: gspo extra peak - megatron's = {delta:+.1f} MB = {delta / r['logits_mb']:+.2f} x logits")
+    print("value: gspo train: -J (s_i = 1: -mean advantage); megatron: masked mean cross entropy (over all\n"
+          "padded vocab rows); gspo recompute: -mean log-prob (true vocab) and mean entropy per response token")
 
 
 if __name__ == "__main__":
