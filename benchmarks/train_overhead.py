@@ -29,14 +29,16 @@ pass (a) is always on-policy (s_i = 1), as mini-batch 1 of a recompute step is. 
 of the pass between two barriers (so the slowest rank's), median over reps; the ratio column is
 the median of the per-rep ratios a/b and c/d (paired, same rep). Per trained token: divided by
 the response tokens (loss-mask positions) and by all real tokens (prompt + response) of the
-mini-batch over every DP rank. Memory, per rank, max over ranks and reps: peak RSS (VmHWM, reset
-through /proc/self/clear_refs just before the pass) and `extra` = that peak minus the RSS just
-before the pass, after malloc_trim(0) has handed the previous pass's freed pages back, so that
-the order of the passes does not colour their peaks. `logits` is the largest micro-batch's
-float32 logits shard (rows x length x padded vocab / TP), the unit of the issue's memory target.
+mini-batch over every DP rank. Memory, per rank, max over ranks: after the timed reps, each pass
+once more with malloc's mmap threshold fixed at 256 KiB (mallopt), so that RSS follows the live
+tensors and the order of the passes does not colour their peaks (with glibc's default the same
+pass's peak varied by +-30 MB from rep to rep at the default size); peak = VmHWM, reset through
+/proc/self/clear_refs just before the pass, and `extra` = that peak minus the RSS just before it.
+`logits` is the largest micro-batch's float32 logits shard (rows x length x padded vocab / TP),
+the unit of the issue's memory target.
 
-    python benchmarks/train_overhead.py                      # tp1, tp2, ep2; 64 responses, 4 reps
-    python benchmarks/train_overhead.py --layouts tp1 --reps 8 --vocab 4096
+    python benchmarks/train_overhead.py                      # tp1, tp2, ep2; 64 responses, 4 reps (~4 min)
+    python benchmarks/train_overhead.py --layouts tp1,tp2 --vocab 16384 --reps 3
     python benchmarks/train_overhead.py --quick              # smoke run (tests/distributed/...)
 
 Layouts: tp1 = 1 process, tiny_dense; tp2 = 2 processes, tiny_dense at TP2; ep2 = 2 processes,
@@ -166,6 +168,7 @@ def _reset_peak_rss() -> None:
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
+M_MMAP_THRESHOLD = -3  # glibc malloc.h: mallopt's parameter number
 
 
 def megatron_forward_step(pgs):
@@ -239,9 +242,6 @@ def worker(args):
     _recompute_old_logprobs(model, mini, loss, pgs)
     for rep in range(args.reps + 1):  # rep 0: warm-up
         for i in ORDER[rep % 2]:
-            _LIBC.malloc_trim(0)
-            base = _mem_kb("VmRSS")
-            _reset_peak_rss()
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             record = passes[i]()
@@ -250,10 +250,21 @@ def worker(args):
             if rep > 0:
                 times[i].append(elapsed)
                 cpu[i].append(elapsed_cpu)
-                peak = _mem_kb("VmHWM")
-                extra_kb[i] = max(extra_kb[i], peak - base)
-                peak_kb[i] = max(peak_kb[i], peak)
             values[i] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy", "grad_norm")}
+
+    # Memory, after the timing: from here on every allocation above 256 KiB is its own mmap, returned
+    # to the system when freed, so RSS follows the live tensors (to ~1 MB here) and a pass's peak no
+    # longer depends on what the passes before it left in malloc's heap (with glibc's default
+    # dynamic threshold the same pass's peak varied by +-30 MB from rep to rep). Not during the
+    # timing: every large tensor would then pay its page faults afresh, on both sides.
+    _LIBC.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    for i in range(len(PASSES)):
+        _LIBC.malloc_trim(0)
+        base = _mem_kb("VmRSS")
+        _reset_peak_rss()
+        passes[i]()
+        peak_kb[i] = _mem_kb("VmHWM")
+        extra_kb[i] = peak_kb[i] - base
 
     # response tokens, real tokens, padding fraction (summed over DP here), sum of the recomputed
     # log-probs (the old_logprobs_BS that (c) filled in; zero off the loss mask)
@@ -321,7 +332,8 @@ def print_table(rows) -> None:
           "busiest rank (all its threads; less coloured by other jobs than wall time on a shared machine);\n"
           "us/resp, us/tok: cpu time per response token / per real token of the mini-batch (all DP ranks);\n"
           "x meg: median of per-rep gspo/megatron ratios (train a/b, forward c/d), wall and cpu;\n"
-          "peak: VmHWM MB; extra: peak above the RSS before the pass, MB; both max over ranks and reps")
+          "peak: VmHWM MB; extra: peak above the RSS before the pass, MB (one pass after the timing, see the\n"
+          "module docstring; max over ranks); x logits: extra in units of the largest logits shard")
     head = (f"{'layout':6s} {'pass':17s} {'wall s':>7} {'cpu s':>7} {'us/resp':>8} {'us/tok':>7} "
             f"{'x meg wall':>10} {'x meg cpu':>9} {'peak MB':>8} {'extra MB':>9} {'x logits':>8}  value")
     print(head)
