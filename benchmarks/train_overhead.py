@@ -29,11 +29,13 @@ pass (a) is always on-policy (s_i = 1), as mini-batch 1 of a recompute step is. 
 of the pass between two barriers (so the slowest rank's), median over reps; the ratio column is
 the median of the per-rep ratios a/b and c/d (paired, same rep). Per trained token: divided by
 the response tokens (loss-mask positions) and by all real tokens (prompt + response) of the
-mini-batch over every DP rank. Memory, per rank, max over ranks: after the timed reps, each pass
-once more with malloc's mmap threshold fixed at 256 KiB (mallopt), so that RSS follows the live
-tensors and the order of the passes does not colour their peaks (with glibc's default the same
-pass's peak varied by +-30 MB from rep to rep at the default size); peak = VmHWM, reset through
-/proc/self/clear_refs just before the pass, and `extra` = that peak minus the RSS just before it.
+mini-batch over every DP rank. Memory, per rank, max over ranks: after a warm-up of every pass,
+each pass once with malloc's mmap threshold at 256 KiB (MALLOC_MMAP_THRESHOLD_), so that RSS follows
+the live tensors and the order of the passes does not colour their peaks (with glibc's default the
+same pass's peak varied by +-30 MB from rep to rep; with this, a pass's peak is the same to 0.1 MB);
+peak = VmHWM, reset through /proc/self/clear_refs just before the pass, `extra` = that peak minus
+the RSS just before it. The timed reps come after, with the threshold at 32 MiB (mallopt), where
+glibc's dynamic threshold ends up by default.
 `logits` is the largest micro-batch's float32 logits shard (rows x length x padded vocab / TP),
 the unit of the issue's memory target.
 
@@ -169,6 +171,8 @@ def _reset_peak_rss() -> None:
 
 _LIBC = ctypes.CDLL("libc.so.6")
 M_MMAP_THRESHOLD = -3  # glibc malloc.h: mallopt's parameter number
+MMAP_THRESHOLD_MEMORY = 256 << 10  # bytes; while measuring memory (see worker)
+MMAP_THRESHOLD_TIMING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
 def megatron_forward_step(pgs):
@@ -238,9 +242,32 @@ def worker(args):
     extra_kb = [0] * len(PASSES)
     peak_kb = [0] * len(PASSES)
     values = [{} for _ in PASSES]
-    # (a) trains on the recomputed old log-probs: fill them before the first (a)
+    # (a) trains on the recomputed old log-probs: fill them before the first (a); then one warm-up
+    # of every pass (first-call allocations: Adam's state, autograd's and gloo's buffers)
     _recompute_old_logprobs(model, mini, loss, pgs)
-    for rep in range(args.reps + 1):  # rep 0: warm-up
+    for run in passes:
+        run()
+    # Memory first, while every allocation above MMAP_THRESHOLD_MEMORY is its own mmap (set for
+    # this process by main()), handed back to the system when freed: RSS then follows the live
+    # tensors, and a pass's peak does not depend on what the passes before it left in malloc's
+    # heap (with glibc's default the same pass's peak varied by +-30 MB from rep to rep).
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD_MEMORY):
+        raise RuntimeError(f"the worker needs MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD_MEMORY} in its environment "
+                           f"(main() sets it); got {os.environ.get('MALLOC_MMAP_THRESHOLD_')!r}")
+    for i in range(len(PASSES)):
+        _LIBC.malloc_trim(0)
+        dist.barrier()
+        base = _mem_kb("VmRSS")
+        _reset_peak_rss()
+        passes[i]()
+        peak_kb[i] = _mem_kb("VmHWM")
+        extra_kb[i] = peak_kb[i] - base
+    # Then the timing, with malloc's heap serving everything below glibc's largest dynamic threshold
+    # (32 MiB), as it does by default once warm: otherwise every large tensor would pay its page
+    # faults afresh (+13% on both sides at the default size).
+    if _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_TIMING) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    for rep in range(args.reps + 1):  # rep 0: warm-up of the heap at its new threshold
         for i in ORDER[rep % 2]:
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -251,20 +278,6 @@ def worker(args):
                 times[i].append(elapsed)
                 cpu[i].append(elapsed_cpu)
             values[i] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy", "grad_norm")}
-
-    # Memory, after the timing: from here on every allocation above 256 KiB is its own mmap, returned
-    # to the system when freed, so RSS follows the live tensors (to ~1 MB here) and a pass's peak no
-    # longer depends on what the passes before it left in malloc's heap (with glibc's default
-    # dynamic threshold the same pass's peak varied by +-30 MB from rep to rep). Not during the
-    # timing: every large tensor would then pay its page faults afresh, on both sides.
-    _LIBC.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
-    for i in range(len(PASSES)):
-        _LIBC.malloc_trim(0)
-        base = _mem_kb("VmRSS")
-        _reset_peak_rss()
-        passes[i]()
-        peak_kb[i] = _mem_kb("VmHWM")
-        extra_kb[i] = peak_kb[i] - base
 
     # response tokens, real tokens, padding fraction (summed over DP here), sum of the recomputed
     # log-probs (the old_logprobs_BS that (c) filled in; zero off the loss mask)
@@ -309,6 +322,7 @@ def main(args):
                  "--max-tokens", args.max_tokens, "--seed", args.seed]
     if args.vocab is not None:
         forwarded += ["--vocab", args.vocab]
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_MEMORY)  # for the workers (see worker)
     rows = []
     for name in args.layouts:
         out = torchrun(__file__, LAYOUTS[name].nproc, "--worker", name, *forwarded, timeout=3600)
@@ -332,7 +346,7 @@ def print_table(rows) -> None:
           "busiest rank (all its threads; less coloured by other jobs than wall time on a shared machine);\n"
           "us/resp, us/tok: cpu time per response token / per real token of the mini-batch (all DP ranks);\n"
           "x meg: median of per-rep gspo/megatron ratios (train a/b, forward c/d), wall and cpu;\n"
-          "peak: VmHWM MB; extra: peak above the RSS before the pass, MB (one pass after the timing, see the\n"
+          "peak: VmHWM MB; extra: peak above the RSS before the pass, MB (one pass before the timing, see the\n"
           "module docstring; max over ranks); x logits: extra in units of the largest logits shard")
     head = (f"{'layout':6s} {'pass':17s} {'wall s':>7} {'cpu s':>7} {'us/resp':>8} {'us/tok':>7} "
             f"{'x meg wall':>10} {'x meg cpu':>9} {'peak MB':>8} {'extra MB':>9} {'x logits':>8}  value")
