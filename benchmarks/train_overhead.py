@@ -46,8 +46,23 @@ the unit of the issue's memory target.
 Layouts: tp1 = 1 process, tiny_dense; tp2 = 2 processes, tiny_dense at TP2; ep2 = 2 processes,
 tiny_moe (4 experts, top-2) with its experts over 2 ranks (DP 2). 1 thread per rank, gloo, CPU.
 
-Measured (2026-12-04, this 2-core machine shared with two other jobs, `nice -n 10`): see the
-end of this docstring, filled in from the run.
+Measured 2026-12-04 on this 2-core CPU machine, shared with two other jobs (load 3-6), `nice -n 10`,
+defaults (N=64, G=8, median 160, sigma 0.9, cap 1024, 4096 tokens per micro-batch: 18727 response /
+21415 real tokens), --reps 5. CPU-time ratios; wall ratios in brackets (wall time is at the mercy
+of the other jobs: tp2 train 0.75 is noise, its CPU ratio is 1.00):
+
+    layout  V    micro-batches  padding_fraction  train a/b      forward c/d    extra peak a-b, c-d
+    tp1     500  7              0.146             1.041 (1.046)  1.031 (1.025)  -0.1 MB, -0.2 MB
+    tp2     500  7 per rank     0.149             1.000 (0.754)  1.005 (0.947)  -0.7 MB, +0.2 MB
+    ep2     500  4 per rank     0.246             1.000 (1.014)  1.008 (0.978)  +0.0 MB, +0.8 MB
+    tp1 train: 1.96 s CPU per step = 105 us per response token, 92 us per real token; peak RSS
+    628 MB, 245 MB above the resting model, 32x the largest logits shard (7.6 MB): the peak is
+    the CPU attention's S x S scores of the longest micro-batch, not the loss, at this vocabulary.
+
+At V=500 the loss is a small part of the step (the profile of tp1 puts the log-prob kernel,
+GSPO loss and metrics at ~1-2% of it, most of it the [s, b, V] -> [b, s, V] copy GPTModel makes
+of the logits when no labels are given, which Megatron's labels path avoids), so the per-rep
+noise (+-5% on the identical attention ops) is as large as the difference.
 """
 from __future__ import annotations
 
