@@ -15,6 +15,10 @@ Four passes over one packed mini-batch, in the same processes, on the same weigh
   (d) megatron forward (b)'s forward step with forward_only=True under torch.no_grad(), as
                        Megatron-LM's evaluate() runs it
 Both step functions are private (underscore) names of training/step.py, imported as they are.
+Besides the loss itself, (a) and (b) differ in: the softmax (ours leaves Megatron's padded vocab
+rows out, Megatron's cross entropy includes them), the logits layout (see the measurements below),
+and the logging reductions (ours: reduce_metrics' all-reduce per metric plus one of the loss sum,
+per step; Megatron-LM: one all-reduce of the loss per micro-batch). CP is not covered.
 
 The mini-batch: N responses in groups of G, prompts of 20-60 tokens, response lengths lognormal
 (median --median-len, log-std --sigma, capped at --max-len, like a max_new_tokens), random token
@@ -26,8 +30,10 @@ Each rep runs all four passes, in the order a b c d on even reps and b a d c on 
 noise of a shared machine hits both sides of each ratio; rep 0 is a warm-up, left out. The
 learning rate is 0 (Adam's arithmetic still runs in full), so every rep sees the same weights and
 pass (a) is always on-policy (s_i = 1), as mini-batch 1 of a recompute step is. Time: wall time
-of the pass between two barriers (so the slowest rank's), median over reps; the ratio column is
-the median of the per-rep ratios a/b and c/d (paired, same rep). Per trained token: divided by
+of the pass between two barriers (so the slowest rank's), and the CPU time of the busiest rank
+(time.process_time, all its threads: what the pass cost, less coloured by the other jobs of a
+shared machine than its wall time), medians over reps; the ratio columns are the medians of the
+per-rep ratios a/b and c/d (paired, same rep). Per trained token: divided by
 the response tokens (loss-mask positions) and by all real tokens (prompt + response) of the
 mini-batch over every DP rank. Memory, per rank, max over ranks: after a warm-up of every pass,
 each pass once with malloc's mmap threshold at 256 KiB (MALLOC_MMAP_THRESHOLD_), so that RSS follows
@@ -35,9 +41,8 @@ the live tensors and the order of the passes does not colour their peaks (with g
 same pass's peak varied by +-30 MB from rep to rep; with this, a pass's peak is the same to 0.1 MB);
 peak = VmHWM, reset through /proc/self/clear_refs just before the pass, `extra` = that peak minus
 the RSS just before it. The timed reps come after, with the threshold at 32 MiB (mallopt), where
-glibc's dynamic threshold ends up by default.
-`logits` is the largest micro-batch's float32 logits shard (rows x length x padded vocab / TP),
-the unit of the issue's memory target.
+glibc's dynamic threshold ends up by default. `logits` is the largest micro-batch's float32 logits
+shard (rows x length x padded vocab / TP), the unit of the issue's memory target.
 
     python benchmarks/train_overhead.py                      # tp1, tp2, ep2; 64 responses, 4 reps (~4 min)
     python benchmarks/train_overhead.py --layouts tp1,tp2 --vocab 16384 --reps 3
@@ -60,9 +65,26 @@ of the other jobs: tp2 train 0.75 is noise, its CPU ratio is 1.00):
     the CPU attention's S x S scores of the longest micro-batch, not the loss, at this vocabulary.
 
 At V=500 the loss is a small part of the step (the profile of tp1 puts the log-prob kernel,
-GSPO loss and metrics at ~1-2% of it, most of it the [s, b, V] -> [b, s, V] copy GPTModel makes
-of the logits when no labels are given, which Megatron's labels path avoids), so the per-rep
-noise (+-5% on the identical attention ops) is as large as the difference.
+GSPO loss and metrics at ~1-2% of it), so the per-rep noise (+-5% on the identical attention
+ops) is as large as the difference.
+
+With a vocabulary that makes the logits matter (--layouts tp1,tp2 --vocab 16384 --reps 3; the
+largest logits shard 243 MB at TP1, 123 MB at TP2):
+
+    layout  V      train a/b      forward c/d    extra peak a-b          c-d
+    tp1     16384  1.270 (1.355)  1.124 (1.001)  +237.5 MB = +0.98 x logits  +243.0 MB = +1.00 x
+    tp2     16384  1.263 (1.010)  1.095 (1.019)  +119.0 MB = +0.97 x logits  +122.9 MB = +1.00 x
+    tp1 train: 6.68 s CPU (a) vs 5.24 s (b); 357 vs 280 us per response token.
+
+What dominates the excess, both in time and memory (torch.profiler of tp1 at V=16384, one step
+each): two logits-sized copies per micro-batch that Megatron's own path does not make. Without
+labels, GPTModel.forward returns `logits.transpose(0, 1).contiguous()` ([s, b, V] -> [b, s, V]),
+and in the backward the [b, s, V] gradient is copied back into [s, b, V] for the output layer's
+matmul: aten::copy_ 2368 ms vs 383 ms over the step, ~100 ms per copy of [1074, 3, 16384], i.e.
+~1.4 s of the ~1.5 s difference; the copy also holds the second logits-sized buffer that is the
++1.0 x logits of extra peak. Megatron's labels path computes the cross entropy on the [s, b, V]
+logits where they lie and transposes only the [s, b] loss. The log-prob kernel itself is faster
+than Megatron's cross entropy here (roughly 0.6 s vs 1.1 s in their max / exp / sub / sum / div ops).
 """
 from __future__ import annotations
 
