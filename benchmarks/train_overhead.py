@@ -102,15 +102,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, also where another is installed
 
+# noqa: E402 below: these need the path above
 from megatron_gspo.config import OptimizerConfig, ParallelConfig  # noqa: E402
 from megatron_gspo.loss.advantages import group_advantages  # noqa: E402
-from megatron_gspo.model.gpt import padded_vocab_size  # noqa: E402
+from megatron_gspo.model.gpt import build_model, padded_vocab_size, transformer_config  # noqa: E402
 from megatron_gspo.model.presets import PRESETS  # noqa: E402
-from megatron_gspo.training.packing import Response, pack_minibatch  # noqa: E402
+from megatron_gspo.model.schedule import run_schedule  # noqa: E402
+from megatron_gspo.parallel.groups import init_megatron, manual_seed  # noqa: E402
+from megatron_gspo.training.forward_step import LossSettings  # noqa: E402
+from megatron_gspo.training.optimizer import build_optimizer  # noqa: E402
+from megatron_gspo.training.packing import Response  # noqa: E402
+# private helpers of the trainer's step, used as they are (the path under measurement)
+from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs  # noqa: E402
+from tests.torchrun import torchrun  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -215,7 +225,6 @@ MMAP_THRESHOLD_TIMING = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 def megatron_forward_step(pgs):
     """Megatron-LM pretraining's forward step on our MicroBatch: the model computes the per-token
     cross entropy (vocab_parallel_cross_entropy) from labels, loss_func takes its masked mean."""
-    import torch.distributed as dist
 
     def loss_func(loss_mask_BS, losses_BS):
         mask = loss_mask_BS.reshape(-1).float()
@@ -234,16 +243,6 @@ def megatron_forward_step(pgs):
 
 
 def worker(args):
-    import torch.distributed as dist
-    from megatron.core.pipeline_parallel.utils import is_pp_last_stage
-
-    from megatron_gspo.model.gpt import build_model, transformer_config
-    from megatron_gspo.model.schedule import run_schedule
-    from megatron_gspo.parallel.groups import init_megatron, manual_seed
-    from megatron_gspo.training.forward_step import LossSettings
-    from megatron_gspo.training.optimizer import build_optimizer
-    from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs
-
     layout = LAYOUTS[args.worker]
     pgs = init_megatron(layout.parallel(), seed=args.seed)
     shape = model_shape(layout, args.vocab)
@@ -348,8 +347,6 @@ def worker(args):
 # ----------------------------------------------------------------------------------------- driver
 
 def main(args):
-    from tests.torchrun import torchrun
-
     print(f"N={args.responses} responses (G={args.group_size}), prompts 20-60 tokens, response lengths "
           f"lognormal(median {args.median_len:g}, sigma {args.sigma:g}) capped at {args.max_len}, "
           f"max_tokens_per_microbatch={args.max_tokens}, reps={args.reps} (+1 warm-up), "
@@ -407,7 +404,8 @@ def print_table(rows) -> None:
               f"padding_fraction {r['padding_fraction']:.3f}, largest logits shard {r['logits_mb']:.1f} MB")
         for a, b, what in ((0, 1, "train"), (2, 3, "forward")):
             delta = r["extra_mb"][a] - r["extra_mb"][b]
-            print(f"    {what}: gspo extra peak - megatron's = {delta:+.1f} MB = {delta / r['logits_mb']:+.2f} x logits")
+            print(f"    {what}: gspo extra peak - megatron's = {delta:+.1f} MB "
+                  f"= {delta / r['logits_mb']:+.2f} x logits")
     print("value: gspo train: -J (s_i = 1: -mean advantage); megatron: masked mean cross entropy (over all\n"
           "padded vocab rows); gspo recompute: -mean log-prob (true vocab) and mean entropy per response token")
 
