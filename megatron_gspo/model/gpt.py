@@ -131,6 +131,25 @@ def transformer_config(shape: Qwen3Shape, layout: ParallelConfig, *, params_dtyp
     return TransformerConfig(**fields)
 
 
+class PolicyGPTModel(GPTModel):
+    """Megatron's GPTModel, whose forward with `labels` returns this rank's logits in Megatron's own
+    [s, b, V] layout instead of a cross-entropy loss: `model(tokens, positions, None, labels=labels_BS)`.
+
+    Without labels GPTModel returns `logits.transpose(0, 1).contiguous()` ([b, s, V]): a logits-sized
+    copy in the forward and another in the backward (measured by benchmarks/train_overhead.py: ~1.4 s
+    of a 1.5 s gap to Megatron's own training step at V=16384 on CPU, and one logits buffer of extra
+    peak memory). Megatron's labels path hands the untransposed logits to compute_language_model_loss;
+    here that hook returns them, and the trainer's log-probs are computed on [s, b] (the labels
+    transposed, a small tensor). Without labels it is GPTModel exactly.
+    """
+
+    def compute_language_model_loss(self, labels, logits):
+        if self.config.mtp_num_layers:
+            raise NotImplementedError("PolicyGPTModel returns the logits in place of the LM loss; multi-token "
+                                      "prediction layers would take that loss too (Qwen3 has none)")
+        return logits
+
+
 def layer_spec(shape: Qwen3Shape):
     """Transformer Engine spec on GPUs, the local spec with CP-capable attention on CPU."""
     if torch.cuda.is_available():
@@ -155,7 +174,7 @@ def build_model(shape: Qwen3Shape, config, *, pgs: ProcessGroupCollection, wrap_
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
-        model = GPTModel(
+        model = PolicyGPTModel(
             config=config,
             transformer_layer_spec=layer_spec(shape),
             vocab_size=padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size),

@@ -45,8 +45,10 @@ class LossSettings:
     """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
 
 
-def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *,
+def _logprobs(logits_SBV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *,
               with_entropy: bool = False):
+    """[B, S] log-probs (and entropy) of the labels from the model's [S, B, V] logits (model/gpt.py
+    PolicyGPTModel: no [B, S, V] copy); the results are transposed, not the logits."""
     # inplace: the logits are the output layer's, read by nothing after this call (that layer's
     # backward needs its input and weight only), so they are overwritten and become their own
     # gradient buffer, as in Megatron's vocab_parallel_cross_entropy: no second logits-sized buffer.
@@ -56,9 +58,10 @@ def _logprobs(output_BSV, batch: MicroBatch, settings: LossSettings, pgs: Proces
     # they stay bitwise equal to it (the in-place forward's values equal the copy path's bit for
     # bit in our tests, but one code path for both needs no such argument on every device).
     # with_entropy leaves the log-probs bitwise unchanged (tests/unit/test_logprobs.py).
-    return vocab_parallel_logprobs(output_BSV, batch.labels_BS, tp_group=pgs.tp,
-                                   temperature=settings.temperature, vocab_size=settings.vocab_size,
-                                   with_entropy=with_entropy, inplace=True)
+    out = vocab_parallel_logprobs(logits_SBV, batch.labels_BS.t(), tp_group=pgs.tp,
+                                  temperature=settings.temperature, vocab_size=settings.vocab_size,
+                                  with_entropy=with_entropy, inplace=True)
+    return tuple(x.t() for x in out) if with_entropy else out.t()
 
 
 def _entropy_sum(entropy_BS, batch: MicroBatch) -> torch.Tensor:
@@ -70,7 +73,8 @@ def _run_model(model, batch: MicroBatch, routing: RoutingPass | None = None):
     """The chunk's forward of this micro-batch; MoE routing recorded or replayed by `routing`."""
     positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
     with routing.forward(model, batch.loss_mask_BS) if routing is not None else contextlib.nullcontext():
-        return model(batch.tokens_BS, positions_BS, None)
+        # labels: the logits come back as [S, B, V] (PolicyGPTModel), on the last pipeline stage
+        return model(batch.tokens_BS, positions_BS, None, labels=batch.labels_BS)
 
 
 def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
@@ -86,8 +90,8 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
     scale = num_microbatches * pgs.dp.size() / num_global_sequences
 
-    def loss_func(batch: MicroBatch, output_BSV):
-        out = _logprobs(output_BSV, batch, settings, pgs, with_entropy=with_entropy)
+    def loss_func(batch: MicroBatch, logits_SBV):
+        out = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=with_entropy)
         logprobs_BS, entropy_BS = out if with_entropy else (out, None)
         rows, seq_len = logprobs_BS.shape
         advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
@@ -113,9 +117,9 @@ def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection
     """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
     the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward)."""
 
-    def loss_func(batch: MicroBatch, output_BSV):
-        logprobs_BS, entropy_BS = _logprobs(output_BSV, batch, settings, pgs, with_entropy=True)
-        return output_BSV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
+    def loss_func(batch: MicroBatch, logits_SBV):
+        logprobs_BS, entropy_BS = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=True)
+        return logits_SBV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
                                           "entropy_token_sum": _entropy_sum(entropy_BS, batch),
                                           "response_tokens": batch.loss_mask_BS.bool().sum().double()}
 
