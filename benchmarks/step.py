@@ -44,7 +44,7 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     run_dir = workdir / "run"
     args = [sys.executable, "-m", "megatron_gspo.cli", "train", config, f"model.hf_path={hf_dir}",
             f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", f"checkpoint.interval={interval}",
-            f"num_steps={steps}", "logging.progress_bar=false", *overrides]
+            f"num_steps={steps}", "logging.progress_bar=false", "eval.interval=0", *overrides]
     start = time.perf_counter()
     proc = subprocess.run(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
@@ -52,7 +52,8 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     wall = time.perf_counter() - start
     steps_seen: dict[int, list[dict]] = defaultdict(list)
     for record in read_metrics(run_dir):
-        steps_seen[record["rollout_step"]].append(record)
+        if "loss/value" in record:  # training records (an eval, when asked for, has its own)
+            steps_seen[record["rollout_step"]].append(record)
     measured = [records for step, records in sorted(steps_seen.items()) if step > 1]
     if not measured:
         raise SystemExit("need at least 2 steps (the first is warm-up)")
@@ -67,6 +68,9 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     # (The records' own train/tokens_per_s leaves the recompute out: one optimizer step's fwd+bwd+update.)
     out["recompute_train_tokens_per_s"] = statistics.mean(
         sum(m["train/response_tokens"] for m in r) / (r[0]["time/recompute_s"] + r[0]["time/train_s"]) for r in measured)
+    # rollout.max_staleness > 0: generation runs in the background; "rollout" above is the trainer's wait.
+    out["generate_s"] = statistics.mean(r[0].get("time/rollout_generate_s", 0.0) for r in measured)
+    out["sync_wait_s"] = statistics.mean(r[0].get("time/sync_wait_s", 0.0) for r in measured)
     out["wall_s"] = wall
     out["reward_mean"] = statistics.mean(r[0]["reward/mean"] for r in measured)
     return out
@@ -98,7 +102,10 @@ def print_table(results: dict[str, dict], demo_interval: int) -> None:
         if len(names) == 2:
             line += f"{values[1] / values[0]:15.2f}x" if values[0] > 0 else f"{'-':>16s}"
         print(line)
-    print(f"{'checkpoint, one save':34s}" + "".join(f"{results[n]['time_checkpoint_s']:14.3f} s      " for n in names))
+    print(f"{'checkpoint, one save':34s}" + "".join(f"{results[n]['time/checkpoint_s']:14.3f} s      " for n in names))
+    for label, key in [("generation (in the background: >0 ahead)", "generate_s"),
+                       ("  of sync: waiting for the servers", "sync_wait_s")]:
+        print(f"{label:34s}" + "".join(f"{results[n][key]:14.3f} s      " for n in names))
     for label, key in [("rollout tokens/s (SGLang)", "rollout_tokens_per_s"),
                        ("recompute+train tokens/s", "recompute_train_tokens_per_s"), ("wall time of the run (s)", "wall_s")]:
         print(f"{label:34s}" + "".join(f"{results[n][key]:16.1f}      " for n in names))
