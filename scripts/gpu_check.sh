@@ -6,6 +6,8 @@
 #
 #   scripts/gpu_check.sh                    run the check (needs an NVIDIA GPU)
 #   scripts/gpu_check.sh --dry-run          print the plan, touch nothing (works on CPU)
+#   scripts/gpu_check.sh --setup-only       make and check the venv, run no test (works on CPU: no GPU
+#                                           preflight; tests/unit/test_gpu_check_script.py runs it)
 #   scripts/gpu_check.sh --fetch-wheels DIR download the wheels the check needs beyond the GPU image's own
 #                                           packages (run on a machine with pip and internet access)
 #   scripts/gpu_check.sh --summarize DIR    rebuild the summary from a results folder of an earlier run
@@ -16,7 +18,10 @@
 # A venv made from a venv's interpreter does not see that venv's packages, even with
 # --system-site-packages (it sees the base interpreter's), so a .pth file puts the interpreter's own
 # site-packages behind the new venv's: the image's torch, transformers, pytest ... are used as they are,
-# and only what is missing is installed into the venv, from the wheels folder, without an index.
+# and only what is missing is installed into the venv, from the wheels folder, without an index. The
+# project itself is this checkout, put on the venv's path by another .pth (what `pip install -e` does,
+# without a build step, an index or files written into the checkout); the tests run it as
+# `python -m megatron_gspo.cli`.
 # Needed beyond such an image (pyproject.toml's dependencies; --fetch-wheels downloads exactly these):
 # megatron-core 0.16.1, math-verify 0.9.0 (+ latex2sympy2_extended 1.11.0, antlr4-python3-runtime 4.13.2).
 # Optional, each enabling its tests (they skip with the reason otherwise):
@@ -51,7 +56,7 @@ required_modules=(torch megatron.core yaml tqdm numpy psutil math_verify transfo
                   httpx pytest matplotlib)
 # The checks, cheapest first, each with the most seconds it may take (the budget left caps it further).
 checks=(
-  "tests/gpu/test_logprobs_bench.py:120"
+  "tests/gpu/test_logprobs_bench.py:180"
   "tests/gpu/test_te_parity.py:150"
   "tests/gpu/test_train_gpu.py:240"
   "tests/gpu/test_sglang_cuda.py:300"
@@ -60,7 +65,7 @@ checks=(
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 fetch_wheels() {
   local dir=$1
@@ -114,9 +119,10 @@ print(text)
 PY
 }
 
-dry_run=0
+mode=run
 case "${1:-}" in
-  --dry-run) dry_run=1 ;;
+  --dry-run) mode=dry-run ;;
+  --setup-only) mode=setup-only ;;
   --fetch-wheels) [ $# -eq 2 ] || die "--fetch-wheels needs a folder"; fetch_wheels "$2"; exit 0 ;;
   --summarize) [ $# -eq 2 ] || die "--summarize needs a results folder"; summarize "$2"; exit 0 ;;
   -h|--help) usage; exit 0 ;;
@@ -124,12 +130,12 @@ case "${1:-}" in
   *) die "unknown argument $1 (see --help)" ;;
 esac
 
-if [ $dry_run -eq 1 ]; then
+if [ $mode = dry-run ]; then
   echo "gpu_check plan (dry run: nothing is executed)"
   echo "  1. preflight: nvidia-smi lists a GPU; $python imports torch and torch.cuda.is_available()"
   echo "  2. fresh venv $venv from $python (--without-pip), + a .pth with $python's site-packages"
   echo "  3. pip install --no-index --no-deps --no-cache-dir $wheels/*.whl (needed: ${wheel_reqs[*]})"
-  echo "  4. pip install --no-index --no-deps --no-build-isolation -e $root"
+  echo "  4. the project: a .pth with $root"
   echo "  5. require modules: ${required_modules[*]}"
   echo "  6. optional: transformer_engine.pytorch; SGLang CUDA at \${MEGATRON_GSPO_SGLANG_PYTHON:-venv}"
   echo "  7. checks (budget ${budget_s} s in all; results in $results):"
@@ -141,15 +147,18 @@ if [ $dry_run -eq 1 ]; then
 fi
 
 start=$SECONDS
-rm -rf "$results"
-mkdir -p "$results"
 
 # 1. preflight: a GPU, and an interpreter whose torch sees it.
-command -v nvidia-smi >/dev/null || die "no nvidia-smi: this is not a CUDA machine (--dry-run prints the plan)"
-nvidia-smi -L >/dev/null 2>&1 || die "nvidia-smi lists no GPU: $(nvidia-smi -L 2>&1 | head -3)"
 command -v "$python" >/dev/null || die "no interpreter $python (set GPU_CHECK_PYTHON)"
-"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
-  || die "$python's torch does not see a GPU: set GPU_CHECK_PYTHON to an interpreter with a CUDA build of torch"
+"$python" -c "import torch" 2>/dev/null || die "$python cannot import torch (set GPU_CHECK_PYTHON)"
+if [ $mode = run ]; then
+  command -v nvidia-smi >/dev/null || die "no nvidia-smi: this is not a CUDA machine (--dry-run prints the plan)"
+  nvidia-smi -L >/dev/null 2>&1 || die "nvidia-smi lists no GPU: $(nvidia-smi -L 2>&1 | head -3)"
+  "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+    || die "$python's torch does not see a GPU: set GPU_CHECK_PYTHON to an interpreter with a CUDA build of torch"
+fi
+rm -rf "$results"
+mkdir -p "$results"
 
 # 2. a fresh venv over the interpreter's own packages.
 rm -rf "$venv"
@@ -157,14 +166,13 @@ rm -rf "$venv"
 site_dir=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$python" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site_dir/_gpu_check_base_site.pth"
 vpy=$venv/bin/python
-"$vpy" -m pip --version >/dev/null 2>&1 || die "$python has no pip: the venv needs it to install the wheels"
 
-# 3-4. the wheels and the project, offline.
+# 3-4. the wheels (offline), then the project.
 if compgen -G "$wheels/*.whl" >/dev/null; then
+  "$vpy" -m pip --version >/dev/null 2>&1 || die "$python has no pip: the venv needs it to install $wheels/*.whl"
   "$vpy" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile "$wheels"/*.whl
 fi
-"$vpy" -m pip install -q --no-index --no-deps --no-build-isolation -e "$root" \
-  || die "pip could not install the project itself (-e $root) offline; setuptools>=68 must be in $python"
+echo "$root" > "$site_dir/_gpu_check_project.pth"
 
 # 5. what every check needs: stop here, naming what is missing and where to get it.
 missing=$("$vpy" - "${required_modules[@]}" <<'PY'
@@ -187,7 +195,8 @@ if [ -z "${MEGATRON_GSPO_SGLANG_PYTHON:-}" ] && "$vpy" -c "import sglang, sgl_ke
   export MEGATRON_GSPO_SGLANG_PYTHON=$vpy
 fi
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  else echo "no nvidia-smi"; fi
   "$vpy" - <<'PY'
 import importlib.metadata as m, sys
 print("python", sys.version.split()[0])
@@ -198,7 +207,8 @@ for name in ("torch", "megatron-core", "transformers", "transformer-engine", "tr
     except m.PackageNotFoundError:
         print(name, "not installed")
 import torch
-print("cuda", torch.version.cuda, "| devices", torch.cuda.device_count(), "| nccl", ".".join(map(str, torch.cuda.nccl.version())))
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+print("cuda", torch.version.cuda, "| devices", torch.cuda.device_count(), "| nccl", nccl)
 PY
   sglang_py=${MEGATRON_GSPO_SGLANG_PYTHON:-}
   if [ -n "$sglang_py" ]; then
@@ -208,6 +218,10 @@ PY
   fi
 } > "$results/environment.txt" 2>&1
 cat "$results/environment.txt"
+if [ $mode = setup-only ]; then
+  echo "gpu_check: venv ready at $venv (setup only: no checks run)"
+  exit 0
+fi
 
 # 7. the checks: one pytest per file, so a failure or a hang in one does not hide the others.
 failed=0
