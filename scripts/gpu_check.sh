@@ -33,8 +33,8 @@
 #     installed into this venv from the wheels folder.
 #
 # Settings (environment variables): GPU_CHECK_PYTHON (python3), GPU_CHECK_VENV (${TMPDIR:-/tmp}/
-# megatron_gspo_gpu_venv, made afresh every run), GPU_CHECK_WHEELS (<repo>/.whl), GPU_CHECK_BUDGET_S (600:
-# no check starts after it, each runs under the time left), MEGATRON_GSPO_SGLANG_PYTHON, OUT.
+# megatron_gspo_gpu_venv, made afresh every run), GPU_CHECK_WHEELS (<repo>/.whl), GPU_CHECK_BUDGET_S (540:
+# no check starts after it, each runs under the time left; with the set-up, inside the device tool's 600 s), MEGATRON_GSPO_SGLANG_PYTHON, OUT.
 # Exit status: 0 all ran tests passed (skips allowed), 1 a test failed or a check ran out of time, 2 the
 # machine or environment is not usable (the message says what is missing).
 set -euo pipefail
@@ -44,7 +44,7 @@ cd "$root"
 python=${GPU_CHECK_PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/megatron_gspo_gpu_venv}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
-budget_s=${GPU_CHECK_BUDGET_S:-600}
+budget_s=${GPU_CHECK_BUDGET_S:-540}
 results=${GPU_CHECK_RESULTS:-${TMPDIR:-/tmp}/megatron_gspo_gpu_check}
 
 # What the image lacks (see above), pinned; --fetch-wheels downloads them for CPython 3.12 x86-64.
@@ -187,7 +187,8 @@ PY
 if [ -n "$missing" ]; then
   echo "gpu_check: missing Python modules in $venv:" >&2
   echo "$missing" | sed 's/^/  /' >&2
-  die "put their wheels in $wheels (scripts/gpu_check.sh --fetch-wheels $wheels, on a machine with internet)"
+  die "put wheels providing them in $wheels (on a machine with internet, scripts/gpu_check.sh --fetch-wheels" \
+      "$wheels downloads the ones the GPU image lacks: ${wheel_reqs[*]}; others: pip download --no-deps)"
 fi
 
 # 6. the optional parts, and the environment for the summary.

@@ -12,7 +12,6 @@ Skipped without CUDA. Run: python -m pytest tests/gpu/test_logprobs_bench.py -m 
 """
 from __future__ import annotations
 
-import os
 import statistics
 
 import pytest
@@ -35,9 +34,7 @@ def tp_group():
     from megatron.core import parallel_state
 
     torch.cuda.set_device(0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     yield parallel_state.get_tensor_model_parallel_group()
     parallel_state.destroy_model_parallel()

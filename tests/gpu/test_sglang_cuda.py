@@ -4,10 +4,11 @@ by CUDA-IPC tensors and by NCCL broadcast.
 The CPU tier (tests/sglang/) cannot check either model kind on a GPU build, nor the MoE at all (SGLang's
 CPU backend gives NaN logits for Qwen3-MoE, README "Qwen3-MoE on CPU"), nor the two GPU transports.
 Servers run in bf16, the production dtype, so log-probs are compared with transformers' float32
-recompute within bf16 tolerance (mean |diff| < 0.05 over the sampled tokens: bf16 keeps 8 bits, the
-log-probs are ~ -1..-10), and a sync is shown to deliver the new weights the way
+recompute within bf16 tolerance (mean |diff| < 0.1 over the sampled tokens: bf16 keeps 8 bits, the
+log-probs are ~ -1..-10; a float32 CPU server gives ~3e-6; not yet measured on a GPU), and a sync is shown to deliver the new weights the way
 tests/sglang/test_weight_sync_sglang.py shows it on CPU:
-  - the served log-probs now match the perturbed model's recompute, and at most half as well the old one's;
+  - the served log-probs now match the perturbed model's recompute, and the old model's at least twice
+    as badly (a float32 CPU server: 3e-6 against 4.0);
   - greedy outputs change;
   - syncing the original weights back restores the original greedy outputs exactly (the same bf16
     weights: the originals rounded once, as when the server loaded them).
@@ -40,8 +41,9 @@ from tests.tiny_hf import read_all
 
 pytestmark = [pytest.mark.gpu, *skip_unless(cuda_missing(), sglang_cuda_missing())]
 # Head size 64, MLP and expert widths multiples of 128: sizes every CUDA attention / fused-MoE kernel accepts.
+# A smaller init than the demo's 0.2 keeps the logits moderate, so bf16 rounding stays ~1e-2.
 DENSE = TinyQwen3Spec(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_layers=2,
-                      intermediate_size=512)
+                      intermediate_size=512, initializer_range=0.1)
 SPECS = {"dense": DENSE,
          "moe": dataclasses.replace(DENSE, num_layers=3, num_experts=8, num_experts_per_tok=2,
                                     moe_intermediate_size=128)}
@@ -49,7 +51,7 @@ SPECS = {"dense": DENSE,
 # tensors); no CUDA graphs: their capture costs start-up time and nothing is measured here.
 SERVER_ARGS = ("--mem-fraction-static", "0.25", "--disable-cuda-graph")
 PROMPTS = [Prompt(0, [259, 11, 23, 29]), Prompt(1, [300, 12]), Prompt(2, [45, 46, 47])]
-BF16_MEAN_TOLERANCE = 0.05
+BF16_MEAN_TOLERANCE = 0.1
 
 
 def server_config(model_dir, log_dir) -> ServerConfig:
