@@ -225,10 +225,11 @@ if [ $mode = setup-only ]; then
 fi
 
 # 7. the checks: one pytest per file, so a failure or a hang in one does not hide the others.
-failed=0
+failed=0 n=0
 for entry in "${checks[@]}"; do
   file=${entry%%:*} cap=${entry##*:}
-  name=$(basename "$file" .py)
+  n=$((n + 1))
+  name=$n-$(basename "$file" .py)  # the summary lists the checks in this order
   left=$((budget_s - (SECONDS - start)))
   if [ $left -lt 20 ]; then
     echo "not-run 0" > "$results/$name.status"; failed=1; continue
