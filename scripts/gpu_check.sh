@@ -12,6 +12,12 @@
 #                                           packages (run on a machine with pip and internet access)
 #   scripts/gpu_check.sh --summarize DIR    rebuild the summary from a results folder of an earlier run
 #
+# With the workplace's `device` tool (one H200, no internet): here, once, `echo /.whl/ >> .git/info/exclude;
+# scripts/gpu_check.sh --fetch-wheels .whl` (~3 MB), then run `bash scripts/gpu_check.sh` with carry [".whl"]
+# and timeout_s 600; the summary and the logs come back through $OUT. Each test file is its own pytest
+# run (`pytest -m gpu FILE -x`), not one `pytest -m gpu tests/gpu -x`: a failure or a hang in one check
+# then neither hides nor starves the others.
+#
 # The environment. The GPU machine is assumed to have no internet: everything comes from this checkout and
 # from $GPU_CHECK_WHEELS. The venv is made from $GPU_CHECK_PYTHON, whose torch must see the GPU (on the
 # `device` tool's H200 that is the image's python3, torch 2.11 + CUDA 13, itself a venv under /opt/torch).
