@@ -20,6 +20,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
+import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import SamplingConfig, TrainConfig
@@ -71,6 +72,7 @@ class SGLangBackend:
                 print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
                 servers = self._stack.enter_context(launch_servers(ServerConfig(
                     model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
+                    device="cuda" if torch.cuda.is_available() else "cpu",
                     max_running_requests=r.concurrency, return_routed_experts=routing is not None,
                     log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers))
                 self.urls = [s.url for s in servers]
