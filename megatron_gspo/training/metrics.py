@@ -68,6 +68,7 @@ METRIC_NAMES: dict[str, str] = {
     "lr": "train/lr",
     "update_successful": "train/update_successful",
     "microbatches": "train/microbatches",
+    "padding_fraction": "train/padding_fraction",
     "train_tokens_per_s": "train/tokens_per_s",
     # moe/: MoE routing vs pi_old's (training/step.py, model/routing.py); per layer: METRIC_PREFIXES
     "moe_routing_changed_fraction": "moe/routing_changed_fraction",

@@ -75,6 +75,9 @@ class PackedMiniBatch:
     """Per micro-batch [B, S] rollout log-probs aligned like old_logprobs_BS (empty if not given)."""
     num_global_sequences: int = 0
     """N: responses in the mini-batch over all DP ranks (the GSPO normaliser)."""
+    padding_fraction: float = 0.0
+    """Padded positions / all positions of the micro-batches of every DP rank (each rank computes the
+    same plan for all of them, so this needs no communication)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -217,9 +220,13 @@ def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int
         raise ValueError("an empty mini-batch")
     _check(responses)
     lengths = [padded_length(len(r.prompt_ids) + len(r.response_ids), pad_multiple) for r in responses]
-    plan = plan_microbatches(lengths, dp_size=dp_size, max_tokens=max_tokens, uniform=uniform)[dp_rank]
+    plans = plan_microbatches(lengths, dp_size=dp_size, max_tokens=max_tokens, uniform=uniform)
+    plan = plans[dp_rank]
     full = max(lengths)
-    packed = PackedMiniBatch(micro_batches=[], rows=plan, num_global_sequences=len(responses))
+    positions = sum(len(mb) * (full if uniform else max(lengths[i] for i in mb)) for p in plans for mb in p)
+    real = sum(len(r.prompt_ids) + len(r.response_ids) for r in responses)
+    packed = PackedMiniBatch(micro_batches=[], rows=plan, num_global_sequences=len(responses),
+                             padding_fraction=1.0 - real / positions)
     have_rollout = all(r.rollout_logprobs is not None for r in responses)
     have_routing = all(getattr(r, "routed_experts", None) is not None for r in responses)
     for indices in plan:

@@ -74,7 +74,8 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     (|Megatron - rollout| log-prob: every step with recompute, step 1 with rollout log-probs),
     entropy (token mean of the policy's entropy over the mini-batch, before its update),
     rollout_nonfinite_tokens, response_tokens, sequences, sequences_empty / _nonfinite, grad_norm, lr,
-    update_successful, microbatches, train_time_s, recompute_time_s, train_tokens_per_s (response tokens
+    update_successful, microbatches, padding_fraction (padded share of the micro-batches' positions),
+    train_time_s, recompute_time_s, train_tokens_per_s (response tokens
     of every DP rank through fwd+bwd+optimizer per second of this optimizer step).
     MoE (`routing` given, with pi_old's routing known): moe_routing_changed_fraction and _layer_NN
     (response tokens x layers whose top-k set under the weights of this step differs from pi_old's);
@@ -120,6 +121,7 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
         if scheduler is not None:
             scheduler.step(1)
         record["train_time_s"] = time.perf_counter() - start
+        record["padding_fraction"] = mini.padding_fraction
         record["train_tokens_per_s"] = record["response_tokens"] / max(record["train_time_s"], 1e-9)
         if settings.old_logprobs == "recompute":
             record.update(gaps[k])

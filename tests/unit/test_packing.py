@@ -123,3 +123,12 @@ def test_rollout_samples_adapt_to_responses():
     assert mb.old_logprobs_BS[0].tolist() == pytest.approx([0, 0, -0.1, -0.2, 0, 0])
     with pytest.raises(ValueError, match="2 samples but 1 advantages"):
         responses_from_samples(samples, [0.5])
+
+
+def test_padding_fraction_counts_every_rank_s_micro_batches():
+    from megatron_gspo.training.packing import Response, pack_minibatch
+    # lengths 4 and 8 (pad multiple 2): one micro-batch of two rows at length 8 -> 16 positions, 12 real
+    a, b = Response([1, 2], [3, 4], 1.0), Response([1, 2, 3], [4, 5, 6, 7, 8], -1.0)
+    assert pack_minibatch([a, b], dp_size=1, dp_rank=0, max_tokens=64).padding_fraction == 1 - 12 / 16
+    # two DP ranks, one row each at its own length: no padding at all, whichever rank asks
+    assert pack_minibatch([a, b], dp_size=2, dp_rank=1, max_tokens=64).padding_fraction == 0.0
