@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_gspo.config import TrainConfig, load_config  # noqa: E402  (needs the path above)
 from megatron_gspo.loss.policy import clip_range  # noqa: E402
+from megatron_gspo.rollout.server import default_sglang_python  # noqa: E402
 from megatron_gspo.training.metrics import read_metrics  # noqa: E402
 
 TRL_PINS = {"torch": "2.13.0", "trl": "1.16.0", "transformers": "5.19.0", "accelerate": "1.16.0",
@@ -177,7 +178,7 @@ def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, thre
     if len(steps) != config.num_steps:
         raise SystemExit(f"{out_dir / 'steps.jsonl'}: {len(steps)} rollout steps, expected {config.num_steps}")
     return SideResult(
-        name="TRL", step_s=[r["step_s"] for r in steps],
+        name="trl", step_s=[r["step_s"] for r in steps],
         generation_s=[r["rollout_s"] - r["recompute_s"] for r in steps],
         training_s=[r["train_s"] + r["recompute_s"] for r in steps], other_s=[0.0 for _ in steps],
         rewards=[r["reward_mean"] for r in steps], startup_s=lines[0]["unix_time"] - launched, wall_s=wall,
@@ -241,27 +242,38 @@ def table(results: list[SideResult]) -> str:
     base = results[0]
     ratios = [f"{r.name} / {base.name}: {r.median(r.step_s) / base.median(base.step_s):.2f}x" for r in results[1:]]
     notes = [f"- {r.name}: {'; '.join(r.notes)}" for r in results if r.notes]
-    return "\n".join(rows + ["", "Per-step time (median) ratio: " + ", ".join(ratios) if ratios else "", *notes])
+    ratio = ["", "Per-step time (median) ratio: " + ", ".join(ratios)] if ratios else []
+    return "\n".join(rows + ratio + [""] + notes)
 
 
-def header(steps: int, trl_versions: dict, our_versions: dict) -> str:
+def listed(found: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in found.items())
+
+
+def header(config: TrainConfig, trl_threads: int, trl_versions: dict, our_versions: dict) -> str:
+    """What was run: date, machine, each side and its versions, the matched settings (from `config`)."""
+    g, o = config.gspo, config.optimizer
+    eps_low, eps_high = clip_range(g.algorithm, g.eps_low, g.eps_high)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     return "\n".join([
-        f"# Peer benchmark: TRL vs megatron_gspo on the CPU demo ({steps} rollout steps per side)", "",
+        f"# Peer benchmark: TRL vs megatron_gspo on the CPU demo ({config.num_steps} rollout steps per side)", "",
         f"{now}, {os.cpu_count()} CPU cores, load average at the end {load} (1/5/15 min).", "",
-        "- TRL: GRPOTrainer in one process, generation in-process with `generate()`, 2 torch threads; "
-        + ", ".join(f"{p} {v}" for p, v in trl_versions.items()) + ".",
-        "- this project (ours): an SGLang server on CPU + Megatron-Core with TP2 on 2 processes, weight sync by "
-        "disk every step, a checkpoint every 10 steps; " + ", ".join(f"{p} {v}" for p, v in our_versions.items()) + ".",
-        "- Settings: G=16 x 16 prompts, 8 mini-batches, GSPO band 3e-4/4e-4, no KL, lr 1e-3 constant, float32, "
-        "temperature 1.0, 4 new tokens, exact-match reward; ours without held-out eval. "
+        f"- TRL: GRPOTrainer in one process, generation in-process with `generate()`, {trl_threads} torch threads; "
+        f"{listed(trl_versions) or 'not run'}.",
+        f"- this project (ours): an SGLang server on CPU + Megatron-Core with TP{config.parallel.tp} on "
+        f"{config.parallel.world_size} processes, weight sync by {config.rollout.weight_sync} every step, a checkpoint "
+        f"every {config.checkpoint.interval} steps; {listed(our_versions)}.",
+        f"- Settings: G={g.group_size} x {g.prompts_per_step} prompts, {g.num_minibatches} mini-batches, "
+        f"{g.algorithm} band {eps_low:g}/{eps_high:g}, no KL, lr {o.lr:g} {o.schedule}, {config.model.dtype}, "
+        f"temperature {config.sampling.temperature:g}, {config.sampling.max_new_tokens} new tokens, "
+        f"{config.reward.fn} reward, seed {config.seed}; ours without held-out eval. "
         "`ours`: gspo.dynamic_sampling=false (like for like); `ours_dynamic`: true (the example's default).",
-        "- Seconds per rollout step, median over steps 2..N; see benchmarks/peer_trl.py for each column.", ""])
+        "- Seconds per rollout step, median over steps 2..N (columns: benchmarks/peer_trl.py's docstring).", "", ""])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="rollout steps per side (default 100)")
     p.add_argument("--quick", action="store_true", help="smoke run: 3 steps per side")
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
@@ -277,24 +289,24 @@ def main() -> None:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
     out = a.out.resolve()
     hf_dir = out / "hf"
+    rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic")
+            for side in SIDES if side != "trl"}
+    configs = {side: load_config(CONFIG, overrides) for side, overrides in rows.items()}  # bad overrides fail now
+    config = configs["ours"]  # the like-for-like settings, TRL's too
     tiny_model(hf_dir)
-    results = []
-    trl_versions: dict = {}
+    results, trl_versions = [], {}
     if "trl" in sides:
         python = trl_env(a.trl_venv or out / ".venv-trl", a.pip_arg)
         trl_versions = versions(python, TRL_PINS)
-        config = load_config(CONFIG, our_overrides(hf_dir, out / "unused", steps, dynamic_sampling=False))
-        print(f"TRL: {steps} steps ...", flush=True)
+        print(f"trl: {steps} steps ...", flush=True)
         results.append(run_trl(python, config, hf_dir, out / "trl", a.trl_threads))
-    our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
-    our_versions.update(versions(REPO / ".venv-sglang" / "bin" / "python", ("sglang",)))
-    for side, dynamic in (("ours", False), ("ours_dynamic", True)):
+    for side in ("ours", "ours_dynamic"):
         if side in sides:
-            overrides = our_overrides(hf_dir, out / side, steps, dynamic)
-            load_config(CONFIG, overrides)  # a bad override fails here, before anything starts
             print(f"{side}: {steps} steps ...", flush=True)
-            results.append(run_ours(side, overrides, out / side))
-    text = header(steps, trl_versions, our_versions) + table(results) + "\n"
+            results.append(run_ours(side, rows[side], out / side))
+    our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
+    our_versions.update(versions(Path(default_sglang_python()), ("sglang",)))
+    text = header(config, a.trl_threads, trl_versions, our_versions) + table(results) + "\n"
     print(text)
     (out / "results.md").write_text(text)
     print(f"written: {out / 'results.md'}")

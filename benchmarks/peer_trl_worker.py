@@ -117,7 +117,7 @@ class StepLog(TrainerCallback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model directory (megatron-gspo tiny-model)")
     p.add_argument("--data", required=True, help="JSONL of {'prompt': [chat messages], 'answer': str}")
     p.add_argument("--out", required=True, help="JSONL written: one record per rollout step")
