@@ -121,12 +121,18 @@ def versions(python: Path, packages) -> dict[str, str]:
     return json.loads(out.stdout)
 
 
+def off_pin(python: Path) -> dict[str, str]:
+    """The packages of TRL_PINS whose version in `python`'s environment is not the pinned one (local
+    build tags such as "+cpu" aside), with the version found."""
+    found = versions(python, TRL_PINS)
+    return {name: version for name, version in found.items() if version.split("+")[0] != TRL_PINS[name]}
+
+
 def trl_env(venv: Path, pip_args: list[str]) -> Path:
     """The python of the TRL environment at `venv`: made (python -m venv + pip install of TRL_PINS) when
     absent, re-installed when its versions differ from the pins, else reused as it is."""
     python = venv / "bin" / "python"
-    wanted = {name: version for name, version in TRL_PINS.items()}
-    if python.exists() and all(v.split("+")[0] == wanted[p] for p, v in versions(python, wanted).items()):
+    if python.exists() and not off_pin(python):
         return python
     if not python.exists():
         print(f"making the TRL environment {venv} ...", flush=True)
@@ -134,8 +140,7 @@ def trl_env(venv: Path, pip_args: list[str]) -> Path:
     pins = [f"{name}=={version}" for name, version in TRL_PINS.items()]
     print(f"pip install {' '.join(pins)} into {venv} ...", flush=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_args, *pins], check=True)
-    found = versions(python, wanted)
-    wrong = {p: v for p, v in found.items() if v.split("+")[0] != wanted[p]}
+    wrong = off_pin(python)
     if wrong:
         raise SystemExit(f"{venv}: after pip install, versions differ from TRL_PINS: {wrong}")
     return python
