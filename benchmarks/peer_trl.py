@@ -47,7 +47,23 @@ TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip take
 configuration finds one, else pass `--pip-arg=--extra-index-url=URL` of a CPU wheel index). The table is
 printed and written to runs/peer_trl/results.md; per-step records lie under runs/peer_trl/.
 
-Not run in CI (it installs TRL). Measured results: none committed yet.
+Not run in CI (it installs TRL); `--quick` is the smoke check (~2 min with the TRL environment present).
+
+Measured 2026-12-04 03:55-04:11 UTC (one full run, defaults), on a SHARED 2-core machine: another session's
+fresh-clone install and demo run (SGLang + 2 trainer ranks) ran at the same time, 1-min load average 8-14.
+The contention fell on the sides unevenly (TRL ran during the heaviest part), so the ratios below are NOT a
+fair comparison; rerun on a quiet machine. For scale: a TRL-only 20-step run here with the machine nearly
+idle took 0.15-0.17 s per step (steps 7-20), generation 0.03 s, i.e. ~14x faster than in this table.
+
+| side | step s (median) | generation s | training s | other s | mean step s | start-up s | wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |
+|---|---|---|---|---|---|---|---|---|---|
+| trl | 2.370 | 0.312 | 2.103 | 0.000 | 2.873 | 3.5 | 205 (73) | 0.807 | 292 |
+| ours | 1.109 | 0.366 | 0.627 | 0.079 | 1.815 | 44.2 | 123 (46) | 0.956 | 234 |
+| ours_dynamic | 4.733 | 3.764 | 0.547 | 0.085 | 4.235 | 24.3 | 100 (41) | 0.954 | 457 |
+
+Per-step time (median) ratio (contended, see above): ours / trl 0.47x, ours_dynamic / trl 2.00x. Ours:
+weight sync median 0.065 s, checkpoints 70.9 s over the run (ours_dynamic 67.0 s), ours_dynamic rolled out a
+median of 216 groups per step. Both sides learn: TRL 0.09 -> 0.81, ours 0.09 -> 0.96 (one seed each).
 """
 from __future__ import annotations
 
@@ -305,10 +321,12 @@ def main() -> None:
         trl_versions = versions(python, TRL_PINS)
         print(f"trl: {steps} steps ...", flush=True)
         results.append(run_trl(python, config, hf_dir, out / "trl", a.trl_threads))
+        results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
     for side in ("ours", "ours_dynamic"):
         if side in sides:
             print(f"{side}: {steps} steps ...", flush=True)
             results.append(run_ours(side, rows[side], out / side))
+            results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
     our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
     our_versions.update(versions(Path(default_sglang_python()), ("sglang",)))
     text = header(config, a.trl_threads, trl_versions, our_versions) + table(results) + "\n"
