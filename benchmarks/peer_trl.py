@@ -1,0 +1,339 @@
+"""Benchmark: the CPU demo through Hugging Face TRL and through this project, one after the other, same
+model, prompts, reward and matched GSPO settings; a table of step time, its parts, start-up and learning.
+
+What each side is:
+- TRL: `GRPOTrainer` of TRL 1.16 in ONE process (`--trl-threads` torch threads, default 2), generation
+  in-process with the policy's own `generate()` (no server, no weight transfer). It runs in its own virtual
+  environment, made here on first use (`runs/peer_trl/.venv-trl`, reused when its versions are the pinned
+  ones): TRL is never a dependency of this package. The TRL script is benchmarks/peer_trl_worker.py.
+- this project: `megatron-gspo train examples/tiny_cpu.yaml`: one SGLang server on CPU for the rollouts
+  (HTTP), Megatron-Core with TP2 on 2 processes (gloo) for pi_old's log-probs and training, the new weights
+  to the server through disk after every step, a checkpoint every checkpoint.interval steps (the example's
+  10). Two rows: gspo.dynamic_sampling=false (reads the same prompts per step as TRL: like for like) and
+  true (the example's default: zero-signal groups are dropped and more prompts rolled out).
+
+Matched (the numbers are read from the project's resolved config and passed to the TRL script): the model
+(`megatron-gspo tiny-model DIR --warm-start arithmetic`, one HF directory for both), the prompts
+(examples/data/arithmetic/train.jsonl, chat messages, rendered "3+4=" by the tiny tokenizer's template),
+the reward (exact match of the response before EOS with the answer; TRL: an equivalent function written in
+the TRL script, since TRL cannot call megatron_gspo's), G=16 samples x 16 prompts per rollout step, 8
+optimizer steps per rollout step on 8 disjoint mini-batches, pi_old's log-probs recomputed once per batch,
+GSPO sequence ratio with the per-sequence mean (TRL: importance_sampling_level="sequence",
+loss_type="grpo"), band 3e-4 / 4e-4, no KL, group-normalised advantages, Adam lr 1e-3 constant, grad clip
+1.0, float32, temperature 1.0, at most 4 new tokens, seed 1234. Held-out evaluation is off on our side
+(eval.interval=0; TRL evaluates nothing either). Not matched (neither can be set to the other's):
+TRL shuffles the 256 samples before cutting mini-batches, ours keeps each mini-batch to 2 whole groups; TRL's
+advantage divides by std + 1e-4, ours by std + 1e-6; TRL's sampler drops the last 13 of the 45 prompts in
+each epoch (45 is not a multiple of 16), ours streams across epochs; SGLang's sampling is not seeded; TRL
+saves no checkpoints.
+
+Columns (seconds per rollout step, the median over the steps after the first, the warm-up): step: the
+whole rollout step; generation: sampling + rewards (TRL: `_generate_and_score_completions` less the pi_old
+forward; ours: time/rollout_s); training: pi_old's log-probs + the 8 forward/backward/optimizer steps (TRL:
+the rest of the step; ours: time/recompute_s + time/train_s); other: weight sync, checkpoints, logging (TRL:
+0 by construction; ours: time/step_s less the rest). Medians of parts need not add up to the median step.
+mean step: the mean, checkpoints included. start-up: from launching the command to the start of step 1
+(ours: torchrun, Megatron set-up, HF -> Megatron conversion, SGLang start). to 0.8: wall time from launch
+(start-up included) until the mean reward of the last 10 rollout steps first reaches 0.8, and that step.
+final reward: the mean reward of the last 10 steps (reward/mean: over every generated sample; with dynamic
+sampling a step generates more samples than it trains on).
+
+    python benchmarks/peer_trl.py                # 100 rollout steps per side (the issue's comparison)
+    python benchmarks/peer_trl.py --quick        # smoke run: 3 steps per side (no 10-step window)
+    python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dynamic
+
+Run with the project's .venv python (needs .venv-sglang, scripts/setup_sglang.sh); the first run makes the
+TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip takes a CPU wheel where its
+configuration finds one, else pass `--pip-arg=--extra-index-url=URL` of a CPU wheel index). The table is
+printed and written to runs/peer_trl/results.md; per-step records lie under runs/peer_trl/.
+
+Not run in CI (it installs TRL); `--quick` is the smoke check (~2 min with the TRL environment present).
+
+Measured 2026-12-04 03:55-04:11 UTC (one full run, defaults), on a SHARED 2-core machine: another session's
+fresh-clone install and demo run (SGLang + 2 trainer ranks) ran at the same time, 1-min load average 8-14.
+The contention fell on the sides unevenly (TRL ran during the heaviest part), so the ratios below are NOT a
+fair comparison; rerun on a quiet machine. For scale: a TRL-only 20-step run here with the machine nearly
+idle took 0.15-0.17 s per step (steps 7-20), generation 0.03 s, i.e. ~14x faster than in this table.
+
+| side | step s (median) | generation s | training s | other s | mean step s | start-up s | wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |
+|---|---|---|---|---|---|---|---|---|---|
+| trl | 2.370 | 0.312 | 2.103 | 0.000 | 2.873 | 3.5 | 205 (73) | 0.807 | 292 |
+| ours | 1.109 | 0.366 | 0.627 | 0.079 | 1.815 | 44.2 | 123 (46) | 0.956 | 234 |
+| ours_dynamic | 4.733 | 3.764 | 0.547 | 0.085 | 4.235 | 24.3 | 100 (41) | 0.954 | 457 |
+
+Per-step time (median) ratio (contended, see above): ours / trl 0.47x, ours_dynamic / trl 2.00x. Ours:
+weight sync median 0.065 s, checkpoints 70.9 s over the run (ours_dynamic 67.0 s), ours_dynamic rolled out a
+median of 216 groups per step. Both sides learn: TRL 0.09 -> 0.81, ours 0.09 -> 0.96 (one seed each).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_gspo.config import TrainConfig, load_config  # noqa: E402  (needs the path above)
+from megatron_gspo.loss.policy import clip_range  # noqa: E402
+from megatron_gspo.rollout.server import default_sglang_python  # noqa: E402
+from megatron_gspo.training.metrics import read_metrics  # noqa: E402
+
+TRL_PINS = {"torch": "2.13.0", "trl": "1.16.0", "transformers": "5.19.0", "accelerate": "1.16.0",
+            "datasets": "5.2.0"}
+"""The TRL environment: TRL 1.16 and the versions it was checked with (transformers and torch as in the
+project's .venv, so both sides run the same kernels for the same model)."""
+
+CONFIG = REPO / "examples" / "tiny_cpu.yaml"
+WORKER = REPO / "benchmarks" / "peer_trl_worker.py"
+REWARD_TARGET, WINDOW = 0.8, 10
+SIDES = ("trl", "ours", "ours_dynamic")
+
+
+@dataclass
+class SideResult:
+    """One side's run: per-rollout-step series (seconds, rewards) and the launch-relative times."""
+
+    name: str
+    step_s: list[float]
+    generation_s: list[float]
+    training_s: list[float]
+    other_s: list[float]
+    rewards: list[float]
+    startup_s: float
+    wall_s: float
+    notes: list[str] = field(default_factory=list)
+
+    def median(self, series: list[float]) -> float:
+        measured = series[1:] or series  # the first step is warm-up
+        return statistics.median(measured)
+
+    def reached(self) -> tuple[float, int] | None:
+        """(wall seconds from launch, step) when the mean reward of the last WINDOW steps first reaches
+        REWARD_TARGET; None when it never does."""
+        for end in range(WINDOW, len(self.rewards) + 1):
+            if statistics.mean(self.rewards[end - WINDOW:end]) >= REWARD_TARGET:
+                return self.startup_s + sum(self.step_s[:end]), end
+        return None
+
+    def final_reward(self) -> float | None:
+        return statistics.mean(self.rewards[-WINDOW:]) if len(self.rewards) >= WINDOW else None
+
+
+def versions(python: Path, packages) -> dict[str, str]:
+    """Installed versions of `packages` in the environment of `python` ("missing" where absent)."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "def v(p):\n    try: return m.version(p)\n    except m.PackageNotFoundError: return 'missing'\n"
+            "print(json.dumps({p: v(p) for p in sys.argv[1:]}))")
+    out = subprocess.run([str(python), "-c", code, *packages], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def off_pin(python: Path) -> dict[str, str]:
+    """The packages of TRL_PINS whose version in `python`'s environment is not the pinned one (local
+    build tags such as "+cpu" aside), with the version found."""
+    found = versions(python, TRL_PINS)
+    return {name: version for name, version in found.items() if version.split("+")[0] != TRL_PINS[name]}
+
+
+def trl_env(venv: Path, pip_args: list[str]) -> Path:
+    """The python of the TRL environment at `venv`: made (python -m venv + pip install of TRL_PINS) when
+    absent, re-installed when its versions differ from the pins, else reused as it is."""
+    python = venv / "bin" / "python"
+    if python.exists() and not off_pin(python):
+        return python
+    if not python.exists():
+        print(f"making the TRL environment {venv} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pins = [f"{name}=={version}" for name, version in TRL_PINS.items()]
+    print(f"pip install {' '.join(pins)} into {venv} ...", flush=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_args, *pins], check=True)
+    wrong = off_pin(python)
+    if wrong:
+        raise SystemExit(f"{venv}: after pip install, versions differ from TRL_PINS: {wrong}")
+    return python
+
+
+def tiny_model(hf_dir: Path) -> None:
+    """The demo's model in `hf_dir`, made with this project's CLI unless it is already there."""
+    if (hf_dir / "config.json").exists():
+        return
+    cli = Path(sys.executable).with_name("megatron-gspo")
+    subprocess.run([str(cli), "tiny-model", str(hf_dir), "--warm-start", "arithmetic"], check=True)
+
+
+def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, threads: int) -> SideResult:
+    """TRL's GRPOTrainer on the settings of `config` (benchmarks/peer_trl_worker.py), in its own process."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    if len(config.data.train) != 1 or not config.data.train[0].endswith(".jsonl"):
+        raise SystemExit(f"data.train: the TRL script reads one .jsonl file, got {config.data.train}")
+    g = config.gspo
+    eps_low, eps_high = clip_range(g.algorithm, g.eps_low, g.eps_high)
+    cmd = [str(python), str(WORKER), "--model", str(hf_dir), "--data", config.data.train[0],
+           "--out", str(out_dir / "steps.jsonl"), "--work-dir", str(out_dir / "trainer"),
+           "--steps", str(config.num_steps), "--group-size", str(g.group_size), "--prompts", str(g.prompts_per_step),
+           "--minibatches", str(g.num_minibatches), "--eps-low", str(eps_low), "--eps-high", str(eps_high),
+           "--lr", str(config.optimizer.lr), "--clip-grad", str(config.optimizer.clip_grad),
+           "--temperature", str(config.sampling.temperature), "--max-new-tokens", str(config.sampling.max_new_tokens),
+           "--seed", str(config.seed), "--threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    launched = time.time()
+    with open(out_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wall = time.time() - launched
+    if proc.returncode != 0:
+        raise SystemExit(f"TRL run failed (exit {proc.returncode}): see {out_dir / 'log.txt'}:\n"
+                         + (out_dir / "log.txt").read_text()[-3000:])
+    lines = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "step" in r]
+    if len(steps) != config.num_steps:
+        raise SystemExit(f"{out_dir / 'steps.jsonl'}: {len(steps)} rollout steps, expected {config.num_steps}")
+    return SideResult(
+        name="trl", step_s=[r["step_s"] for r in steps],
+        generation_s=[r["rollout_s"] - r["recompute_s"] for r in steps],
+        training_s=[r["train_s"] + r["recompute_s"] for r in steps], other_s=[0.0 for _ in steps],
+        rewards=[r["reward_mean"] for r in steps], startup_s=lines[0]["unix_time"] - launched, wall_s=wall,
+        notes=[f"generate() alone: median {statistics.median([r['generate_s'] for r in steps][1:] or [0]):.3f} s"])
+
+
+def our_overrides(hf_dir: Path, run_dir: Path, steps: int, dynamic_sampling: bool) -> list[str]:
+    """examples/tiny_cpu.yaml's overrides for one row: fresh run directory, fixed steps, no eval."""
+    return [f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}",
+            f"num_steps={steps}", f"gspo.dynamic_sampling={str(dynamic_sampling).lower()}", "eval.interval=0",
+            "logging.progress_bar=true", "logging.tensorboard=false"]
+
+
+def run_ours(name: str, overrides: list[str], run_dir: Path) -> SideResult:
+    """`megatron-gspo train examples/tiny_cpu.yaml OVERRIDES` from a fresh run directory; the start of step 1
+    is the time its progress line is printed less that step's time/step_s."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # else the run would resume from its checkpoints
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(CONFIG), *overrides]
+    launched, first_line = time.time(), None
+    with open(run_dir.parent / f"{run_dir.name}.log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log.write(line)
+            if first_line is None and line.startswith("step 1/"):
+                first_line = time.time()
+        proc.wait()
+    wall = time.time() - launched
+    if proc.returncode != 0 or first_line is None:
+        raise SystemExit(f"{name} run failed (exit {proc.returncode}): see {log.name}:\n"
+                         + Path(log.name).read_text()[-3000:])
+    by_step: dict[int, dict] = {}
+    for record in read_metrics(run_dir):
+        by_step.setdefault(record["rollout_step"], record)  # the rollout step's numbers are on each record
+    steps = [by_step[k] for k in sorted(by_step)]
+    step_s = [r["time/step_s"] for r in steps]
+    generation = [r["time/rollout_s"] for r in steps]
+    training = [r["time/recompute_s"] + r["time/train_s"] for r in steps]
+    return SideResult(
+        name=name, step_s=step_s, generation_s=generation, training_s=training,
+        other_s=[s - g - t for s, g, t in zip(step_s, generation, training)],
+        rewards=[r["reward/mean"] for r in steps], startup_s=first_line - launched - step_s[0], wall_s=wall,
+        notes=[f"weight sync: median {statistics.median([r['time/sync_s'] for r in steps][1:] or [0]):.3f} s",
+               f"checkpoints: {sum(r['time/checkpoint_s'] for r in steps):.1f} s in all",
+               f"groups rolled out per step: median {statistics.median(r['rollout/groups_generated'] for r in steps):.0f}"])
+
+
+def table(results: list[SideResult]) -> str:
+    """The markdown table of `results`, then the ratios of per-step time to the first (TRL's) row."""
+    head = ("| side | step s (median) | generation s | training s | other s | mean step s | start-up s "
+            "| wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |")
+    rows = [head, "|" + "---|" * 10]
+    for r in results:
+        hit = r.reached()
+        final = r.final_reward()
+        rows.append(f"| {r.name} | {r.median(r.step_s):.3f} | {r.median(r.generation_s):.3f} | "
+                    f"{r.median(r.training_s):.3f} | {r.median(r.other_s):.3f} | {statistics.mean(r.step_s):.3f} | "
+                    f"{r.startup_s:.1f} | {f'{hit[0]:.0f} ({hit[1]})' if hit else 'not reached'} | "
+                    f"{f'{final:.3f}' if final is not None else 'n/a'} | {r.wall_s:.0f} |")
+    base = results[0]
+    ratios = [f"{r.name} / {base.name}: {r.median(r.step_s) / base.median(base.step_s):.2f}x" for r in results[1:]]
+    notes = [f"- {r.name}: {'; '.join(r.notes)}" for r in results if r.notes]
+    ratio = ["", "Per-step time (median) ratio: " + ", ".join(ratios)] if ratios else []
+    return "\n".join(rows + ratio + [""] + notes)
+
+
+def listed(found: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in found.items())
+
+
+def header(config: TrainConfig, trl_threads: int, trl_versions: dict, our_versions: dict) -> str:
+    """What was run: date, machine, each side and its versions, the matched settings (from `config`)."""
+    g, o = config.gspo, config.optimizer
+    eps_low, eps_high = clip_range(g.algorithm, g.eps_low, g.eps_high)
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    return "\n".join([
+        f"# Peer benchmark: TRL vs megatron_gspo on the CPU demo ({config.num_steps} rollout steps per side)", "",
+        f"{now}, {os.cpu_count()} CPU cores, load average at the end {load} (1/5/15 min).", "",
+        f"- TRL: GRPOTrainer in one process, generation in-process with `generate()`, {trl_threads} torch threads; "
+        f"{listed(trl_versions) or 'not run'}.",
+        f"- this project (ours): an SGLang server on CPU + Megatron-Core with TP{config.parallel.tp} on "
+        f"{config.parallel.world_size} processes, weight sync by {config.rollout.weight_sync} every step, a checkpoint "
+        f"every {config.checkpoint.interval} steps; {listed(our_versions)}.",
+        f"- Settings: G={g.group_size} x {g.prompts_per_step} prompts, {g.num_minibatches} mini-batches, "
+        f"{g.algorithm} band {eps_low:g}/{eps_high:g}, no KL, lr {o.lr:g} {o.schedule}, {config.model.dtype}, "
+        f"temperature {config.sampling.temperature:g}, {config.sampling.max_new_tokens} new tokens, "
+        f"{config.reward.fn} reward, seed {config.seed}; ours without held-out eval. "
+        "`ours`: gspo.dynamic_sampling=false (like for like); `ours_dynamic`: true (the example's default).",
+        "- Seconds per rollout step, median over steps 2..N (columns: benchmarks/peer_trl.py's docstring).", "", ""])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="rollout steps per side (default 100)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 steps per side")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "peer_trl", help="work and results directory")
+    p.add_argument("--trl-venv", type=Path, help="TRL environment (default OUT/.venv-trl)")
+    p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    p.add_argument("--pip-arg", action="append", default=[], help="extra argument for the TRL pip install")
+    a = p.parse_args()
+    steps = 3 if a.quick else a.steps
+    sides = [s for s in a.sides.split(",") if s]
+    unknown = set(sides) - set(SIDES)
+    if unknown or not sides:
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
+    out = a.out.resolve()
+    hf_dir = out / "hf"
+    rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic")
+            for side in SIDES if side != "trl"}
+    configs = {side: load_config(CONFIG, overrides) for side, overrides in rows.items()}  # bad overrides fail now
+    config = configs["ours"]  # the like-for-like settings, TRL's too
+    tiny_model(hf_dir)
+    results, trl_versions = [], {}
+    if "trl" in sides:
+        python = trl_env(a.trl_venv or out / ".venv-trl", a.pip_arg)
+        trl_versions = versions(python, TRL_PINS)
+        print(f"trl: {steps} steps ...", flush=True)
+        results.append(run_trl(python, config, hf_dir, out / "trl", a.trl_threads))
+        results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
+    for side in ("ours", "ours_dynamic"):
+        if side in sides:
+            print(f"{side}: {steps} steps ...", flush=True)
+            results.append(run_ours(side, rows[side], out / side))
+            results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
+    our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
+    our_versions.update(versions(Path(default_sglang_python()), ("sglang",)))
+    text = header(config, a.trl_threads, trl_versions, our_versions) + table(results) + "\n"
+    print(text)
+    (out / "results.md").write_text(text)
+    print(f"written: {out / 'results.md'}")
+
+
+if __name__ == "__main__":
+    main()
