@@ -49,21 +49,19 @@ printed and written to runs/peer_trl/results.md; per-step records lie under runs
 
 Not run in CI (it installs TRL); `--quick` is the smoke check (~2 min with the TRL environment present).
 
-Measured 2026-12-04 03:55-04:11 UTC (one full run, defaults), on a SHARED 2-core machine: another session's
-fresh-clone install and demo run (SGLang + 2 trainer ranks) ran at the same time, 1-min load average 8-14.
-The contention fell on the sides unevenly (TRL ran during the heaviest part), so the ratios below are NOT a
-fair comparison; rerun on a quiet machine. For scale: a TRL-only 20-step run here with the machine nearly
-idle took 0.15-0.17 s per step (steps 7-20), generation 0.03 s, i.e. ~14x faster than in this table.
+Measured 2026-12-04 04:20-04:27 UTC (defaults, 100 rollout steps per side), on a quiet 2-core machine
+(1-min load average 0.8-1.8 at the end of each side):
 
 | side | step s (median) | generation s | training s | other s | mean step s | start-up s | wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |
 |---|---|---|---|---|---|---|---|---|---|
-| trl | 2.370 | 0.312 | 2.103 | 0.000 | 2.873 | 3.5 | 205 (73) | 0.807 | 292 |
-| ours | 1.109 | 0.366 | 0.627 | 0.079 | 1.815 | 44.2 | 123 (46) | 0.956 | 234 |
-| ours_dynamic | 4.733 | 3.764 | 0.547 | 0.085 | 4.235 | 24.3 | 100 (41) | 0.954 | 457 |
+| trl | 0.176 | 0.039 | 0.137 | 0.000 | 0.182 | 3.7 | 17 (73) | 0.807 | 23 |
+| ours | 0.639 | 0.273 | 0.309 | 0.054 | 0.659 | 23.7 | 60 (55) | 0.909 | 97 |
+| ours_dynamic | 2.755 | 2.281 | 0.316 | 0.056 | 2.260 | 22.6 | 59 (44) | 0.973 | 257 |
 
-Per-step time (median) ratio (contended, see above): ours / trl 0.47x, ours_dynamic / trl 2.00x. Ours:
-weight sync median 0.065 s, checkpoints 70.9 s over the run (ours_dynamic 67.0 s), ours_dynamic rolled out a
-median of 216 groups per step. Both sides learn: TRL 0.09 -> 0.81, ours 0.09 -> 0.96 (one seed each).
+Per-step time (median): ours / trl 3.63x, ours_dynamic / trl 15.64x. trl: generate() alone 0.032 s; ours:
+weight sync 0.046 s, checkpoints 1.0 s over the run, 16 groups per step; ours_dynamic: 150 groups per step
+(median). An earlier run of the same command at 03:55-04:11, while another run's set-up and demo loaded the
+machine (load 8-14), is not comparable (TRL 2.37 s per step there) and is left out.
 """
 from __future__ import annotations
 
