@@ -50,6 +50,7 @@ from torch.distributed.nn.functional import all_reduce as d_all_reduce
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, also where another is installed
 
+from benchmarks.rss import mem_kb, reset_peak_rss  # noqa: E402
 from megatron_gspo.loss import logprobs as logprobs_module  # noqa: E402
 from tests.torchrun import torchrun  # noqa: E402  (the repository root is on sys.path above)
 
@@ -81,18 +82,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------- worker
-
-def _mem_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def _reset_peak_rss():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # Linux: reset VmHWM to the current RSS
 
 
 def _method_fn(method, variant, tp_group, tp, chunk_size, impl=logprobs_module):
@@ -195,8 +184,8 @@ def worker(args):
         for label, run in runs if rep % 2 == 0 else runs[::-1]:  # new, old, old, new, ...
             with torch.no_grad():  # Megatron overwrites its input: refill before every run
                 logits_TV.normal_(0.0, 3.0, generator=shard_gen.manual_seed(100 + rank))
-            base_kb = _mem_kb("VmRSS")
-            _reset_peak_rss()
+            base_kb = mem_kb("VmRSS")
+            reset_peak_rss()
             dist.barrier()
             t0 = time.perf_counter()
             outs = run(logits_TV, targets_T)
@@ -206,7 +195,7 @@ def worker(args):
             # With a baseline alongside, the warm-up's peak is left out of the memory too: the second
             # run of rep 0 would find the first's freed pages still mapped and look smaller.
             if rep > 0 or len(runs) == 1:
-                extra_kb[label].append(_mem_kb("VmHWM") - base_kb)
+                extra_kb[label].append(mem_kb("VmHWM") - base_kb)
             if rep > 0:
                 times[label].append(dt)
             checks[label] = [o.detach().double().mean().item() for o in outs] + [

@@ -30,18 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def _mem_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from benchmarks.rss import mem_kb, reset_peak_rss  # noqa: E402  (needs the path above)
 
 
 def worker(args) -> None:
@@ -103,12 +92,12 @@ def worker(args) -> None:
                                     routing_replay="off" if mode == "none" else mode)
             passes.clear()
             dist.barrier()
-            _reset_peak_rss()
-            base = _mem_kb("VmRSS")
+            reset_peak_rss()
+            base = mem_kb("VmRSS")
             start = time.perf_counter()
             train_on_batch(model, optimizer, batch, settings, pgs=pgs, routing=None if mode == "none" else routing)
             elapsed = time.perf_counter() - start
-            peak = _mem_kb("VmHWM") - base
+            peak = mem_kb("VmHWM") - base
             if mode == "old":
                 # the recompute passes' recordings: what is held from the recompute to the step's end
                 recorded_bytes = sum(t.nbytes for p in passes[:4] for mb in p.recorded for chunk in mb

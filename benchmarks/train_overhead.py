@@ -119,6 +119,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, also where another is installed
 
 # noqa: E402 below: these need the path above
+from benchmarks.rss import mem_kb, reset_peak_rss  # noqa: E402
 from megatron_gspo.config import OptimizerConfig, ParallelConfig  # noqa: E402
 from megatron_gspo.loss.advantages import group_advantages  # noqa: E402
 from megatron_gspo.model.gpt import build_model, padded_vocab_size, transformer_config  # noqa: E402
@@ -213,18 +214,6 @@ def padding_fraction(packed, responses) -> float:
 
 # ----------------------------------------------------------------------------------------- worker
 
-def _mem_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # Linux: reset VmHWM to the current RSS
-
 
 _LIBC = ctypes.CDLL("libc.so.6")
 M_MMAP_THRESHOLD = -3  # glibc malloc.h: mallopt's parameter number
@@ -307,10 +296,10 @@ def worker(args):
     for i in range(len(PASSES)):
         _LIBC.malloc_trim(0)
         dist.barrier()
-        base = _mem_kb("VmRSS")
-        _reset_peak_rss()
+        base = mem_kb("VmRSS")
+        reset_peak_rss()
         passes[i]()
-        peak_kb[i] = _mem_kb("VmHWM")
+        peak_kb[i] = mem_kb("VmHWM")
         extra_kb[i] = peak_kb[i] - base
     # Then the timing, with malloc's heap serving everything below glibc's largest dynamic threshold
     # (32 MiB), as it does by default once warm: otherwise every large tensor would pay its page
