@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from megatron_gspo.model.gpt import Qwen3Shape
+from megatron_gspo.model.presets import PRESETS
 
 ARCHITECTURES = {"Qwen3ForCausalLM": False, "Qwen3MoeForCausalLM": True}  # name -> is MoE
 
@@ -18,6 +19,11 @@ ARCHITECTURES = {"Qwen3ForCausalLM": False, "Qwen3MoeForCausalLM": True}  # name
 def config_path(hf_dir_or_file: str | Path) -> Path:
     path = Path(hf_dir_or_file)
     return path / "config.json" if path.is_dir() else path
+
+
+def shape_of(preset: str | None, hf_path: str | None) -> Qwen3Shape:
+    """The model's shape: the named preset (model.presets) if given, else the HF config.json's."""
+    return PRESETS[preset] if preset is not None else read_hf_config(hf_path)
 
 
 def read_hf_config(hf_dir_or_file: str | Path) -> Qwen3Shape:

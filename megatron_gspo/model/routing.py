@@ -111,7 +111,7 @@ class RoutingPass:
     replay: list | None = None
     compare: list | None = None
     recorded: list = field(default_factory=list)
-    counts: ChangeCounts | None = None
+    counts: ChangeCounts = field(init=False)
     _next: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -116,8 +116,6 @@ class Rollout:
         self._turn = threading.Condition()
         self._generating = False   # the background thread is generating a batch
         self._held = 0             # pushes / evals waiting: the next background batch must not start
-        self.wait_s = 0.0
-        """Seconds the last `generate` waited for its batch (with overlap: for the background thread)."""
         self.sync_wait_s = 0.0
         """Seconds the last `sync_weights` waited for the background thread's batch to finish."""
 
@@ -125,7 +123,6 @@ class Rollout:
         """Collective: the batch from prompt-stream position `position` on every rank, or the same
         `Ended` on every rank (see the module doc)."""
         result: RolloutBatch | Ended | None = None
-        start = time.perf_counter()
         if self.backend is not None:
             if self._ahead:
                 result = self._ahead.popleft().result()
@@ -134,7 +131,6 @@ class Rollout:
                                        f"the trainer asks for {position}")
             else:
                 result = self._attempt(position)
-        self.wait_s = time.perf_counter() - start
         box = [result]
         dist.broadcast_object_list(box, src=0)
         return box[0]

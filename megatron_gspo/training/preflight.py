@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from megatron_gspo.config import TrainConfig
-from megatron_gspo.convert.hf_config import read_hf_config
+from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.rewards.verifiers import load_reward_fn
@@ -60,8 +60,7 @@ def preflight(config: TrainConfig) -> Prepared:
     if not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
     if config.gspo.routing_replay != "off":
-        shape = PRESETS[model.preset] if model.preset is not None else read_hf_config(model.hf_path)
-        if not shape.is_moe:
+        if not shape_of(model.preset, model.hf_path).is_moe:
             raise ValueError(f"gspo.routing_replay={config.gspo.routing_replay}: the model is dense "
                              f"({model.preset or model.hf_path} has no MoE routers); use off")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():

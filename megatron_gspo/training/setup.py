@@ -12,10 +12,9 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import TrainConfig
-from megatron_gspo.convert.hf_config import read_hf_config
+from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.loss.policy import clip_range
 from megatron_gspo.model.gpt import Qwen3Shape, build_model, transformer_config
-from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import manual_seed
 from megatron_gspo.training.forward_step import LossSettings
@@ -37,9 +36,7 @@ class Policy:
 
 
 def model_shape(config: TrainConfig) -> Qwen3Shape:
-    if config.model.preset is not None:
-        return PRESETS[config.model.preset]
-    return read_hf_config(config.model.hf_path)
+    return shape_of(config.model.preset, config.model.hf_path)
 
 
 def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:

@@ -36,7 +36,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
 from megatron_gspo.model.routing import MoERouting, RoutingPass
 from megatron_gspo.model.schedule import run_schedule
-from megatron_gspo.parallel.context_parallel import gather_from_cp
+from megatron_gspo.parallel.context_parallel import gather_from_cp, split_for_cp
 from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step, policy_forward_step
@@ -148,7 +148,8 @@ def _check_routing(settings: StepSettings, routing: MoERouting | None, responses
 def _rollout_targets(mini: PackedMiniBatch, routing: MoERouting, pgs: ProcessGroupCollection) -> list:
     """The rollout routing of each micro-batch as this rank's routers take it (per chunk, per router)."""
     cp, cp_rank = group_size(pgs.cp), group_rank(pgs.cp)
-    return [routing.targets_from_full(mb.for_cp_rank(cp, cp_rank).routing_BSLk) for mb in mini.micro_batches]
+    return [routing.targets_from_full(split_for_cp(mb.routing_BSLk, cp, cp_rank, seq_dim=1))
+            for mb in mini.micro_batches]
 
 
 def _routing_metrics(routing_pass: RoutingPass, pgs: ProcessGroupCollection, name: str, *,
