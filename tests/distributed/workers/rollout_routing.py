@@ -3,7 +3,7 @@
 usage: torchrun --nproc-per-node N rollout_routing.py WORKDIR NAME TP PP CP EP
 
 The tiny Qwen3-MoE samples 4 prompts x 4 with routing recorded (Sample.routed_experts), then trains on
-them with GRPO, K = 2 mini-batches, SGD lr 0.1, routing_replay="rollout". Checks:
+them with GRPO, K = 2 mini-batches, SGD lr 0.1 (routing_replay.py's tiny_moe), routing_replay="rollout". Checks:
 - each sample's routing has one [L, k] entry per input position (prompt + response - 1), and
   (reference) equals the routing of a plain forward of the whole sequence, position by position;
 - other layouts sample the same tokens and record the same routing as the reference;
@@ -19,14 +19,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.loss.advantages import group_advantages
-from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
+from megatron_gspo.model.gpt import TINY_MOE
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator
@@ -36,7 +33,7 @@ from megatron_gspo.training.packing import responses_from_samples
 from megatron_gspo.training.step import StepSettings, train_on_batch
 
 from checks import check, done
-from routing_replay import RouterLog
+from routing_replay import RouterLog, tiny_moe
 from trainer_common import parallel_layout
 
 G, K = 4, 2
@@ -53,13 +50,7 @@ def main() -> None:
     tp, pp, cp, ep = map(int, sys.argv[3:7])
     layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1234)
-    model = build_model(TINY_MOE, transformer_config(TINY_MOE, layout, aux_loss_coeff=0.0), pgs=pgs)
-    (module,) = [chunk.module for chunk in model]
-    if name == "reference":
-        (workdir / "init").mkdir()
-        dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "init"))
-    dist.barrier()
-    module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+    model, _, optimizer = tiny_moe(workdir, name, layout, pgs)
     routing = MoERouting.attach(model)
     generator = MegatronGenerator(model, SamplingConfig(temperature=1.0, max_new_tokens=8),
                                   vocab_size=TINY_MOE.vocab_size, seed=5, pgs=pgs, routing=routing,
@@ -87,8 +78,6 @@ def main() -> None:
     rewards = torch.tensor([float(len(s.response_ids) % 2) for s in samples])
     rewards[0], rewards[1] = 0.0, 1.0
     responses = responses_from_samples(samples, group_advantages(rewards, G).advantages_R)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
     log = RouterLog(routing)
     settings = StepSettings(loss=LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size),
                             num_minibatches=K, routing_replay="rollout", max_tokens_per_microbatch=64)

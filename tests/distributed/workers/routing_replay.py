@@ -71,29 +71,42 @@ class RouterLog:
         self.calls.clear()
 
 
-def main() -> None:
-    workdir, name = Path(sys.argv[1]), sys.argv[2]
-    tp, pp, cp, ep, max_tokens = map(int, sys.argv[3:8])
-    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
-    pgs = init_megatron(layout, seed=1234)
-    # No load-balancing loss: Megatron averages it per micro-batch, so unequal micro-batches (the
-    # trainer's split without PP) weight it differently: not the invariance under test here.
+def reference_weights(module, workdir: Path) -> None:
+    """Load WORKDIR/init (the reference's initial weights) into this layout's module."""
+    module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+
+
+def tiny_moe(workdir: Path, name: str, layout, pgs):
+    """(model, module, SGD lr 0.1): the tiny MoE with the reference's initial weights (NAME "reference" saves
+    them to WORKDIR/init first). No load-balancing loss: Megatron averages it per micro-batch, so unequal
+    micro-batches (the trainer's split without PP) weight it differently: not the invariance under test."""
     model = build_model(TINY_MOE, transformer_config(TINY_MOE, layout, aux_loss_coeff=0.0), pgs=pgs)
     (module,) = [chunk.module for chunk in model]
     if name == "reference":
         (workdir / "init").mkdir()
         dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "init"))
     dist.barrier()
-    routing = MoERouting.attach(model)
-    log = RouterLog(routing)
+    reference_weights(module, workdir)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
+    return model, module, optimizer
+
+
+def main() -> None:
+    workdir, name = Path(sys.argv[1]), sys.argv[2]
+    tp, pp, cp, ep, max_tokens = map(int, sys.argv[3:8])
+    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    pgs = init_megatron(layout, seed=1234)
+    model, module, optimizer = tiny_moe(workdir, name, layout, pgs)
+    routing = MoERouting.attach(model)
+    log = RouterLog(routing)
     batch = responses()
     loss = LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size)
 
     results = {}
-    for mode in ("old", "off"):
-        module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+    for i, mode in enumerate(("old", "off")):
+        if i:  # the next mode starts from the same initial weights
+            reference_weights(module, workdir)
         log.clear()
         settings = StepSettings(loss=loss, num_minibatches=K, routing_replay=mode, max_tokens_per_microbatch=max_tokens)
         records = train_on_batch(model, optimizer, batch, settings, pgs=pgs, routing=routing)
