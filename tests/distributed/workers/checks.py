@@ -67,6 +67,17 @@ def done() -> None:
     _report(f"{TAG} rank {_rank()}: {len(_passed)} checks passed")
 
 
+def shutdown() -> None:
+    """Barrier, then destroy the default process group: a rank leaving with gloo's threads still up can
+    abort at interpreter exit ("terminate called without an active exception", SIGABRT) after all its
+    checks passed. Every worker that initialises torch.distributed ends with this (or the same two calls)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _report(line: str) -> None:
     """One write of the line and its newline, under the pipe's atomic size: the ranks share the
     launcher's output, and print() writes the newline separately, so lines of two ranks can interleave."""

@@ -32,7 +32,7 @@ from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import responses_from_samples
 from megatron_gspo.training.step import StepSettings, train_on_batch
 
-from checks import check, done
+from checks import check, done, shutdown
 from routing_replay import RouterLog, tiny_moe
 from trainer_common import parallel_layout
 
@@ -118,3 +118,4 @@ def check_against_plain_forward(model, routing: MoERouting, samples) -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()

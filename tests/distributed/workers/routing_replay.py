@@ -31,7 +31,7 @@ from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import Response
 from megatron_gspo.training.step import StepSettings, train_on_batch
 
-from checks import check, done
+from checks import check, done, shutdown
 from trainer_common import parallel_layout
 
 N, K, G = 16, 2, 4
@@ -205,3 +205,4 @@ def compare_with_reference(workdir: Path, results: dict) -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown()
