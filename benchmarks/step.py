@@ -16,6 +16,11 @@ its last checkpoint): late in the run dynamic sampling rolls out many more promp
     python benchmarks/step.py --override parallel.tp=1   # any config override, for every variant
     python benchmarks/step.py --hf runs/tiny_cpu/hf_final --variants disk   # a trained model
     python benchmarks/step.py --vary rollout.concurrency --variants 16,64 --repeats 2   # any config key
+    python benchmarks/step.py --profile --variants disk   # + the parts of a step, per rank (logging.profile)
+
+--profile runs with logging.profile=true (megatron_gspo/profiling.py) and prints, per variant, the
+step's named parts below the phases: rank 0's seconds per step and the most any other rank spent, each
+with its share of the step, a part's sub-parts indented under it, "(rest)" the part's time in no sub-part.
 
 Needs .venv-sglang (scripts/setup_sglang.sh); run with the trainer's .venv python.
 """
@@ -73,7 +78,48 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     out["sync_wait_s"] = statistics.mean(r[0].get("time/sync_wait_s", 0.0) for r in measured)
     out["wall_s"] = wall
     out["reward_mean"] = statistics.mean(r[0]["reward/mean"] for r in measured)
+    for key in sorted({k for r in measured for k in r[0] if k.startswith("profile/")}):
+        out[key] = statistics.mean(r[0].get(key, 0.0) for r in measured)  # a part absent in a step took 0
     return out
+
+
+ORDER = ["rollout", "advantages", "train", "sync", "eval", "checkpoint", "log", "untracked", "background"]
+
+
+def print_profile(results: dict[str, dict], interval: int) -> None:
+    """Per variant: the step's parts (logging.profile) as a tree, rank 0 and the other ranks' maximum."""
+    for name, r in results.items():
+        seconds: dict[str, dict[str, float]] = defaultdict(dict)
+        for key, value in r.items():
+            if key.startswith("profile/"):
+                part, column = key.removeprefix("profile/").rsplit("/", 1)
+                seconds[part][column] = value
+        if not seconds:
+            continue
+        step = r["step"]
+        parts = sorted(seconds, key=lambda p: (ORDER.index(p.split("/")[0]) if p.split("/")[0] in ORDER
+                                               else len(ORDER), p))
+        print(f"\n[{name}] parts of a rollout step: seconds per step (mean over the measured steps; a checkpoint "
+              f"every {interval} steps), share of the step ({step:.3f} s)")
+        print(f"{'part':44s}{'rank 0':>10s}{'share':>7s}{'others (max)':>14s}{'share':>7s}")
+
+        def row(label, values):
+            r0, other = values.get("rank0_s", 0.0), values.get("others_max_s", 0.0)
+            print(f"{label:44s}{r0:10.4f}{r0 / step:7.1%}{other:14.4f}{other / step:7.1%}")
+
+        for part in parts:
+            depth = part.count("/")
+            row("  " * depth + part.rsplit("/", 1)[-1], seconds[part])
+        # The time of each part with sub-parts that none of them covers, and of the step in no part.
+        print(f"{'(rest: in a part, in none of its sub-parts)':44s}")
+        for part in parts:
+            children = [p for p in parts if p.startswith(part + "/") and p.count("/") == part.count("/") + 1]
+            if children:
+                rest = {c: seconds[part].get(c, 0.0) - sum(seconds[ch].get(c, 0.0) for ch in children)
+                        for c in ("rank0_s", "others_max_s")}
+                row(f"  {part}", rest)
+        top = [p for p in parts if "/" not in p and p != "background"]
+        row("step, in no part", {c: step - sum(seconds[p].get(c, 0.0) for p in top) for c in ("rank0_s", "others_max_s")})
 
 
 def print_table(results: dict[str, dict], demo_interval: int) -> None:
@@ -128,6 +174,7 @@ def main(argv=None) -> int:
                    help="run the variants this many times, interleaved (A B A B ...), and average: the "
                         "machine's speed drifts, and interleaving spreads the drift over every variant")
     p.add_argument("--override", action="append", default=[], help="config key=value for every variant")
+    p.add_argument("--profile", action="store_true", help="also time the named parts of each step, per rank")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -148,14 +195,17 @@ def main(argv=None) -> int:
                       f"({repeat + 1}/{args.repeats}) ...", flush=True)
                 runs[f"{short}={variant}"].append(run_variant(
                     args.config, hf_dir, Path(tmp) / f"{variant}-{repeat}", args.steps, args.checkpoint_interval,
-                    [f"{args.vary}={variant}", *args.override]))
-        results = {name: {key: statistics.mean(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+                    [f"{args.vary}={variant}", *args.override, *(["logging.profile=true"] if args.profile else [])]))
+        results = {name: {key: statistics.mean(r.get(key, 0.0) for r in rs) for key in {k for r in rs for k in r}}
+                   for name, rs in runs.items()}
         if args.repeats > 1:
             for name, rs in runs.items():
                 print(f"[{name}] step total per repeat: " + ", ".join(f"{r['step']:.2f} s" for r in rs))
         print()
         from megatron_gspo.config import load_config
         print_table(results, load_config(args.config).checkpoint.interval)
+        if args.profile:
+            print_profile(results, args.checkpoint_interval)
     return 0
 
 

@@ -74,7 +74,8 @@ class SGLangBackend:
                     model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
                     device="cuda" if torch.cuda.is_available() else "cpu",
                     max_running_requests=r.concurrency, return_routed_experts=routing is not None,
-                    log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers))
+                    log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args),
+                    r.num_servers))
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
             client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s)

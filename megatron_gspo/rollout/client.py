@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import httpx
 
+from megatron_gspo import profiling
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.net import auth_headers
 from megatron_gspo.rollout.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
@@ -97,6 +98,9 @@ class RolloutStats:
     """Servers retired during the call, with the last error."""
     elapsed_s: float = 0.0
     response_tokens: int = 0
+    server_intervals: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) wall-clock times of each request inside its server (SGLang's meta_info e2e_latency
+    ending at response_sent_to_client_ts): how much of the call the servers were working on it."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,7 +161,8 @@ class RolloutClient:
                         if server.retired_because is not None:
                             continue  # retired while this group waited for a slot: pick again
                         try:
-                            samples = await self._request(http, server.url, prompt, n, sampling)
+                            samples = await self._request(http, server.url, prompt, n, sampling,
+                                                          stats.server_intervals)
                         except _RetryableError as e:
                             samples = None
                             failed_attempts += 1
@@ -190,10 +195,12 @@ class RolloutClient:
                 raise
         stats.elapsed_s = time.monotonic() - start
         stats.response_tokens = sum(len(s.response_ids) for g in groups for s in g)
+        if profiling.enabled():
+            profiling.add(profiling.current() + "/in_server", _covered(stats.server_intervals))
         return groups, stats
 
     async def _request(self, http: httpx.AsyncClient, url: str, prompt: Prompt, n: int,
-                       sampling: SamplingConfig) -> list[Sample]:
+                       sampling: SamplingConfig, intervals: list | None = None) -> list[Sample]:
         payload = {"input_ids": list(prompt.prompt_ids), "sampling_params": sglang_sampling_params(sampling, n),
                    "return_logprob": True, "logprob_start_len": -1}
         routing = self.config.routed_experts
@@ -211,11 +218,33 @@ class RolloutClient:
         if response.status_code != 200:
             raise RolloutError(f"server {url} answered HTTP {response.status_code} for group "
                                f"{prompt.group_id}: {response.text[:500]}")
-        try:
-            body = response.json()
-        except ValueError as e:
-            raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
-        return parse_generate_response(body, prompt, n, url, routing=routing)
+        with profiling.span(profiling.current() + "/parse"):  # no await inside: spans nest per thread
+            try:
+                body = response.json()
+            except ValueError as e:
+                raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
+            samples = parse_generate_response(body, prompt, n, url, routing=routing)
+        if intervals is not None:
+            intervals.extend(_server_interval(item) for item in (body if isinstance(body, list) else [body]))
+        return samples
+
+
+def _server_interval(item: dict) -> tuple[float, float]:
+    meta = item.get("meta_info") or {}
+    end, latency = meta.get("response_sent_to_client_ts"), meta.get("e2e_latency")
+    if not isinstance(end, (int, float)) or not isinstance(latency, (int, float)):
+        return (0.0, 0.0)
+    return (end - latency, end)
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of the intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _pick(servers: list[_Server], round_robin, tried: set[str]) -> _Server | None:

@@ -41,6 +41,7 @@ from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 import torch.distributed as dist
 
+from megatron_gspo import profiling
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.data import PromptDataset
 from megatron_gspo.evaluation import eval_sampling, evaluate
@@ -132,7 +133,8 @@ class Rollout:
             else:
                 result = self._attempt(position)
         box = [result]
-        dist.broadcast_object_list(box, src=0)
+        with profiling.span("rollout/broadcast_batch"):
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def _attempt(self, position: int) -> RolloutBatch | Ended:
@@ -217,8 +219,9 @@ class Rollout:
                 taken += 1
                 yield prompt
         started, start = time.monotonic(), time.perf_counter()
-        scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
-                                                   self.scorer, drop_zero_variance=self.gspo.dynamic_sampling))
+        with profiling.span("rollout/generate_and_score"):
+            scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
+                                                       self.scorer, drop_zero_variance=self.gspo.dynamic_sampling))
         return RolloutBatch(scored, position + taken, self.dataset.epoch_of(position + taken - 1), position=position,
                             generate_s=time.perf_counter() - start, started_at=started, ended_at=time.monotonic())
 
@@ -245,7 +248,7 @@ class Rollout:
         receives full tensors): every rank walks it to the end, whether or not rank 0's push succeeded.
         Returns False when the push failed after a stop signal (the servers got it too): a resumed run
         pushes the weights of its checkpoint first."""
-        tensors = iter(export()) if self.needs_weights else iter(())
+        tensors = iter(_timed_export(export()) if self.needs_weights else ())
         synced = True
         try:
             if self.backend is not None:
@@ -270,3 +273,14 @@ class Rollout:
             self.backend.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def _timed_export(tensors: NamedTensors) -> NamedTensors:
+    """The export walk, each step's time (gathering the full tensors) as part "<innermost span>/export"."""
+    iterator = iter(tensors)
+    while True:
+        with profiling.span(profiling.current("sync") + "/export"):
+            item = next(iterator, None)
+        if item is None:
+            return
+        yield item

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from megatron_gspo import profiling
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.rewards.pool import RewardPool, Score, check_batch
 from megatron_gspo.samples import Sample
@@ -90,4 +91,5 @@ class Scorer:
             for sample, value in zip(group, values):
                 sample.reward = float(value)
         counts.wait_s = time.perf_counter() - start
+        profiling.add(profiling.current() + "/reward_wait", counts.wait_s)
         return counts

@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
+from megatron_gspo import profiling
 from megatron_gspo.net import auth_headers, free_port
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -187,8 +188,11 @@ class DiskSync:
         self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        written = write_hf_checkpoint(named_tensors, self.folder, self.config_dir)
-        sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key)
+        where = profiling.current()
+        with profiling.span(f"{where}/write"):  # the export walk (gathering the tensors) happens in here
+            written = write_hf_checkpoint(named_tensors, self.folder, self.config_dir)
+        with profiling.span(f"{where}/server_load"):
+            sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key)
 
     def close(self) -> None:
         pass

@@ -34,6 +34,7 @@ from megatron_gspo.convert.export import iter_hf_tensors
 from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
+from megatron_gspo import profiling
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.backends import open_backend
@@ -51,6 +52,7 @@ from megatron_gspo.training.step import train_on_batch
 
 def train(config: TrainConfig) -> None:
     prepared = preflight(config)
+    profiling.enable(config.logging.profile)
     pgs = init_megatron(config.parallel, seed=config.seed)  # every process group, built once
     stop = StopRequest()
     policy = build_policy(config, pgs)
@@ -85,10 +87,12 @@ def train(config: TrainConfig) -> None:
             times.update(overlap_times(rollout, batch, previous, state.step))
             previous = batch
             # 3. Group-normalised advantages: one per sample.
-            responses = with_advantages(batch, config)
+            with profiling.span("advantages"):
+                responses = with_advantages(batch, config)
             # 4. K mini-batches, one optimizer step each.
-            records = train_on_batch(policy.model, policy.optimizer, responses, settings, pgs=pgs,
-                                     scheduler=policy.scheduler, routing=policy.routing)
+            with profiling.span("train"):
+                records = train_on_batch(policy.model, policy.optimizer, responses, settings, pgs=pgs,
+                                         scheduler=policy.scheduler, routing=policy.routing)
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
             timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))
@@ -104,10 +108,14 @@ def train(config: TrainConfig) -> None:
             if checkpoint_due(config, state.step, stopping):
                 timed(times, "time_checkpoint_s", save_checkpoint, config, state, policy, rollout)
                 saved_step = state.step
-            # 8. One record per optimizer step: the step's rollout numbers and timings on each.
-            if logger is not None:
-                log_step(logger, config, state.step, batch, records, times)
-                log_eval(logger, config, state.step, evaluation)
+            # 8. One record per optimizer step: the step's rollout numbers and timings on each (with
+            # logging.profile, the parts of this step; the logging of a step counts in the next one's).
+            if config.logging.profile:
+                times.update(profiling.collect())
+            with profiling.span("log"):
+                if logger is not None:
+                    log_step(logger, config, state.step, batch, records, times)
+                    log_eval(logger, config, state.step, evaluation)
             if stopping:
                 break
     if stop.requested and dist.get_rank() == 0:
@@ -122,9 +130,10 @@ def train(config: TrainConfig) -> None:
 
 
 def timed(times: dict, key: str, fn, *args):
-    """fn(*args), its wall time in times[key]."""
+    """fn(*args), its wall time in times[key] ("time_NAME_s"; with logging.profile also the part NAME)."""
     start = time.perf_counter()
-    result = fn(*args)
+    with profiling.span(key.removeprefix("time_").removesuffix("_s")):
+        result = fn(*args)
     times[key] = time.perf_counter() - start
     return result
 

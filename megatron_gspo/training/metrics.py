@@ -92,6 +92,7 @@ METRIC_NAMES: dict[str, str] = {
 
 METRIC_PREFIXES: dict[str, str] = {
     "moe_routing_changed_fraction_layer_": "moe/routing_changed_fraction/layer_",
+    "profile/": "profile/",  # logging.profile: profile/PART/rank0_s, profile/PART/others_max_s (profiling.py)
 }
 """Families of metrics, one per model layer: computed prefix + NN -> logged prefix + NN."""
 

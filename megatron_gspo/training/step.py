@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_stage
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_gspo import profiling
 from megatron_gspo.loss.policy import reduce_metrics, summarize_metrics
 from megatron_gspo.model.routing import MoERouting, RoutingPass
 from megatron_gspo.model.schedule import run_schedule
@@ -85,8 +86,9 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     if settings.old_logprobs == "rollout" and any(r.rollout_logprobs is None for r in responses):
         raise ValueError("old_logprobs='rollout' needs rollout_logprobs on every response")
     _check_routing(settings, routing, responses)
-    packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch)
-              for mini in split_minibatches(responses, settings.num_minibatches)]
+    with profiling.span("train/pack"):
+        packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch)
+                  for mini in split_minibatches(responses, settings.num_minibatches)]
     # pi_old's routing of each mini-batch (per micro-batch, chunk, router), when known.
     references: list[list | None] = [None] * len(packed)
     if routing is not None and settings.routing_replay == "rollout":
@@ -95,15 +97,16 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     gaps: list[dict[str, float]] = [{} for _ in packed]
     start = time.perf_counter()
     if settings.old_logprobs == "recompute":
-        for k, mini in enumerate(packed):
-            routing_pass = None if routing is None else routing.pass_(replay=references[k], compare=references[k])
-            gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, pgs, routing=routing_pass)
-            if routing_pass is not None:
-                if references[k] is None:
-                    references[k] = routing_pass.recorded
-                else:
-                    gaps[k].update(_routing_metrics(routing_pass, pgs, "moe_routing_rollout_changed_fraction",
-                                                    per_layer=False))
+        with profiling.span("train/recompute"):
+            for k, mini in enumerate(packed):
+                routing_pass = None if routing is None else routing.pass_(replay=references[k], compare=references[k])
+                gaps[k] = _recompute_old_logprobs(model, mini, settings.loss, pgs, routing=routing_pass)
+                if routing_pass is not None:
+                    if references[k] is None:
+                        references[k] = routing_pass.recorded
+                    else:
+                        gaps[k].update(_routing_metrics(routing_pass, pgs, "moe_routing_rollout_changed_fraction",
+                                                        per_layer=False))
     recompute_s = time.perf_counter() - start
 
     records = []
@@ -179,8 +182,14 @@ def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pg
                             routing: RoutingPass | None = None) -> dict:
     """Fill every micro-batch's old_logprobs_BS with the current policy's; return the rollout gap."""
     # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
-    outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs, routing=routing), pgs=pgs,
-                           forward_only=True)
+    with profiling.span("train/recompute/forward"):
+        outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs, routing=routing), pgs=pgs,
+                               forward_only=True)
+    with profiling.span("train/recompute/metrics"):
+        return _recompute_metrics(mini, outputs, pgs)
+
+
+def _recompute_metrics(mini: PackedMiniBatch, outputs: list, pgs: ProcessGroupCollection) -> dict:
     if not is_pp_last_stage(pgs.pp):
         return _from_last_stage({}, pgs)
     # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
@@ -215,14 +224,23 @@ def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
 
 def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
                     with_entropy: bool = False, routing: RoutingPass | None = None) -> dict:
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    with profiling.span("train/zero_grad"):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
     forward_step = policy_forward_step(loss, pgs=pgs, num_global_sequences=mini.num_global_sequences,
                                        num_microbatches=mini.num_microbatches, with_entropy=with_entropy,
                                        routing=routing)
-    outputs = run_schedule(model, mini, forward_step, pgs=pgs, forward_only=False)
-    update_successful, grad_norm, _ = optimizer.step()
+    with profiling.span("train/forward_backward"):
+        outputs = run_schedule(model, mini, forward_step, pgs=pgs, forward_only=False)
+    with profiling.span("train/optimizer"):
+        update_successful, grad_norm, _ = optimizer.step()
+    with profiling.span("train/metrics"):
+        return _step_metrics(optimizer, mini, outputs, pgs, update_successful, grad_norm)
+
+
+def _step_metrics(optimizer, mini: PackedMiniBatch, outputs: list, pgs: ProcessGroupCollection,
+                  update_successful, grad_norm) -> dict:
     loss_metrics = {}
     if is_pp_last_stage(pgs.pp):
         raw = reduce_metrics([o["metrics"] for o in outputs], group=pgs.dp_cp)
