@@ -27,6 +27,7 @@ Needs .venv-sglang (scripts/setup_sglang.sh); run with the trainer's .venv pytho
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
                 print(f"running {args.steps} steps with {args.vary}={variant} "
                       f"({repeat + 1}/{args.repeats}) ...", flush=True)
                 runs[f"{short}={variant}"].append(run_variant(
-                    args.config, hf_dir, Path(tmp) / f"{variant}-{repeat}", args.steps, args.checkpoint_interval,
+                    args.config, hf_dir, Path(tmp) / f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', variant)}-{repeat}", args.steps, args.checkpoint_interval,
                     [f"{args.vary}={variant}", *args.override, *(["logging.profile=true"] if args.profile else [])]))
         results = {name: {key: statistics.mean(r.get(key, 0.0) for r in rs) for key in {k for r in rs for k in r}}
                    for name, rs in runs.items()}

@@ -26,7 +26,7 @@ import httpx
 
 from megatron_gspo import profiling
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.net import auth_headers
+from megatron_gspo.net import auth_headers, tls_context
 from megatron_gspo.rollout.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
 from megatron_gspo.samples import Prompt, Sample
 
@@ -148,7 +148,8 @@ class RolloutClient:
         limits = httpx.Limits(max_connections=cfg.concurrency_per_server * len(servers),
                               max_keepalive_connections=cfg.concurrency_per_server * len(servers))
         start = time.monotonic()
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key)) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key),
+                                     verify=tls_context()) as http:
             async def run_group(prompt: Prompt) -> list[Sample]:
                 tried: set[str] = set()
                 failed_attempts = 0

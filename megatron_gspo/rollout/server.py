@@ -73,6 +73,10 @@ class ServerConfig:
     """`--sleep-on-idle`: with nothing to do, the scheduler waits on its request sockets instead of
     polling them in a busy loop. Without it an idle CPU server keeps a core at 50-100% (measured: two
     idle servers took ~1.5 of this machine's 2 cores), which the trainer needs between rollouts."""
+    overlap_schedule: bool | None = None
+    """SGLang's overlap scheduler (CPU-side batch preparation overlapped with the previous batch's
+    forward); None: on with CUDA, off on CPU (`--disable-overlap-schedule`), where there is no device to
+    overlap with: measured on the demo (benchmarks/step.py, 2 interleaved repeats) rollout 0.85x, step 0.93x."""
     return_routed_experts: bool = False
     """`--enable-return-routed-experts` (SGLang arg_groups/fields/exec_.py:158): record every token's MoE
     routing so requests can ask for it (gspo.routing_replay=rollout, ClientConfig.routed_experts). MoE
@@ -126,6 +130,8 @@ class SGLangServer:
             cmd.append("--sleep-on-idle")
         if c.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
+        if not (c.device == "cuda" if c.overlap_schedule is None else c.overlap_schedule):
+            cmd.append("--disable-overlap-schedule")
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -44,7 +44,7 @@ from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 from megatron_gspo import profiling
-from megatron_gspo.net import auth_headers, free_port
+from megatron_gspo.net import auth_headers, free_port, tls_context
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -89,7 +89,7 @@ class ServerAdmin:
 
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
-        self._http = httpx.Client(headers=auth_headers(api_key), timeout=timeout_s)
+        self._http = httpx.Client(headers=auth_headers(api_key), timeout=timeout_s, verify=tls_context())
 
     def post(self, path: str, payload: dict | None = None) -> dict:
         try:
@@ -185,6 +185,9 @@ class DiskSync:
     """WeightSync through a shared file system: an HF checkpoint in `folder`, loaded by every server."""
 
     def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None):
+        if any(c in str(Path(folder).resolve()) for c in "*?["):
+            raise ValueError(f"weight sync folder {str(folder)!r} (under logging.run_dir) has a glob character "
+                             "(*, ? or [): SGLang's loader globs the folder for *.safetensors and would find none")
         self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:

@@ -1,5 +1,6 @@
 """Missing model paths and unwritable directories fail before work starts, naming the setting."""
 import os
+import sys
 
 import pytest
 
@@ -13,6 +14,12 @@ def config(tmp_path, *overrides):
     train, test = write_arithmetic_data(tmp_path / "data")
     return load_config(None, [f"model.hf_path={tmp_path / 'hf'}", f"logging.run_dir={tmp_path / 'run'}",
                               f"data.train={train}", f"eval.datasets.held_out={test}", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def sglang_python(monkeypatch):
+    """The default rollout backend launches SGLang: any existing interpreter passes preflight's check."""
+    monkeypatch.setenv("MEGATRON_GSPO_SGLANG_PYTHON", sys.executable)
 
 
 def test_ok(tmp_path):
@@ -92,3 +99,20 @@ def test_routing_replay_on_a_dense_model_names_the_field(tmp_path):
     dense.save_pretrained(tmp_path / "hf")  # a dense Qwen3 config.json
     with pytest.raises(ValueError, match="gspo.routing_replay=old: the model is dense"):
         preflight(config(tmp_path, "gspo.routing_replay=old"))
+
+
+def test_missing_sglang_python_is_named_before_any_process_starts(tmp_path, monkeypatch):
+    fake_hf_dir(tmp_path / "hf")
+    monkeypatch.setenv("MEGATRON_GSPO_SGLANG_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    with pytest.raises(ValueError, match=r"no-venv/bin/python.*scripts/setup_sglang.sh"):
+        preflight(config(tmp_path))
+    preflight(config(tmp_path, "rollout.server_urls=[http://127.0.0.1:1]"))  # servers given: nothing to launch
+
+
+def test_run_dir_with_glob_characters_is_refused_for_disk_sync(tmp_path):
+    fake_hf_dir(tmp_path / "hf")
+    base = config(tmp_path)
+    overrides = [f"model.hf_path={tmp_path / 'hf'}", f"data.train={base.data.train[0]}"]
+    with pytest.raises(ValueError, match=r"logging.run_dir.*glob character"):
+        preflight(load_config(None, [*overrides, f"logging.run_dir={tmp_path / 'run[1]'}"]))
+    preflight(load_config(None, [*overrides, f"logging.run_dir={tmp_path / 'run[1]'}", "rollout.weight_sync=broadcast"]))

@@ -1,4 +1,5 @@
 """Server management without SGLang: start-up failures carry the log tail; stop leaves no process."""
+import dataclasses
 import os
 import signal
 import stat
@@ -30,6 +31,10 @@ def test_command_and_cpu_environment(tmp_path):
     for flag, value in [("--port", "12345"), ("--device", "cpu"), ("--max-total-tokens", "16384"),
                         ("--api-key", "k"), ("--dtype", "float32"), ("--host", "127.0.0.1")]:
         assert cmd[cmd.index(flag) + 1] == value
+    assert "--disable-overlap-schedule" in cmd  # CPU default: nothing to overlap with
+    cuda = SGLangServer(dataclasses.replace(config, device="cuda"), port=1).command()
+    forced = SGLangServer(dataclasses.replace(config, overlap_schedule=True), port=1).command()
+    assert "--disable-overlap-schedule" not in cuda and "--disable-overlap-schedule" not in forced
     env = server.environment()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     stubs = Path(env["PYTHONPATH"].split(os.pathsep)[0])  # the import stand-ins come first
