@@ -28,7 +28,7 @@ from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutStats
 from megatron_gspo.rollout.megatron_backend import MegatronGenerator, stop_token_ids
 from megatron_gspo.rollout.routed_experts import RoutingSpec
-from megatron_gspo.rollout.server import ServerConfig, launch_servers
+from megatron_gspo.rollout.server import ServerConfig, SGLangServer, start_servers, stop_all, wait_all_ready
 from megatron_gspo.sync.sglang import NamedTensors, WeightSync, open_weight_sync
 from megatron_gspo.samples import Prompt, Sample
 
@@ -60,7 +60,9 @@ class SGLangBackend:
 
     collective = False
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, started: list[SGLangServer] | None = None):
+        """`started`: the servers start_sglang(config) started earlier (this waits for them and stops
+        them at close); None: start them here."""
         r = config.rollout
         # R3 (gspo.routing_replay=rollout): the servers return each training sample's routed experts.
         routing = RoutingSpec.from_hf_config(config.model.hf_path) if config.gspo.routing_replay == "rollout" else None
@@ -69,13 +71,9 @@ class SGLangBackend:
             if r.server_urls:
                 self.urls = list(r.server_urls)
             else:
-                print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
-                servers = self._stack.enter_context(launch_servers(ServerConfig(
-                    model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
-                    device="cuda" if torch.cuda.is_available() else "cpu",
-                    max_running_requests=r.concurrency, return_routed_experts=routing is not None,
-                    log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args),
-                    r.num_servers))
+                servers = started if started is not None else start_sglang(config)
+                self._stack.callback(stop_all, servers)
+                wait_all_ready(servers)
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
             client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s)
@@ -139,11 +137,25 @@ class MegatronBackend:
         pass
 
 
+def start_sglang(config: TrainConfig) -> list[SGLangServer]:
+    """Start the rollout.num_servers SGLang servers of rollout.backend=sglang without waiting for them:
+    the driver calls this first, so that their start-up overlaps Megatron's (SGLangBackend waits)."""
+    r = config.rollout
+    print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
+    return start_servers(ServerConfig(
+        model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        max_running_requests=r.concurrency, return_routed_experts=config.gspo.routing_replay == "rollout",
+        log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args), r.num_servers)
+
+
 def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer,
-                 pgs: ProcessGroupCollection, routing: MoERouting | None = None) -> RolloutBackend:
-    """The configured backend (rollout.backend). SGLang: call on rank 0 only; megatron: on every rank.
-    `routing`: the MoE model's routers (the megatron backend records them for routing_replay=rollout)."""
+                 pgs: ProcessGroupCollection, routing: MoERouting | None = None,
+                 started: list[SGLangServer] | None = None) -> RolloutBackend:
+    """The configured backend (rollout.backend). SGLang: call on rank 0 only (`started`: the servers
+    start_sglang started); megatron: on every rank. `routing`: the MoE model's routers (the megatron
+    backend records them for routing_replay=rollout)."""
     if config.rollout.backend == "megatron":
         return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer, pgs=pgs,
                                routing=routing)
-    return SGLangBackend(config)
+    return SGLangBackend(config, started)

@@ -270,6 +270,33 @@ def get_json(url: str, path: str, api_key: str | None = None, timeout_s: float =
         return json.loads(resp.read())
 
 
+def start_servers(config: ServerConfig, num_servers: int = 1, gpu_ids: list[int] | None = None) -> list[SGLangServer]:
+    """Start `num_servers` servers without waiting for them (their ~10-20 s start-up can overlap other
+    work); then `wait_all_ready`, and `stop_all` in the end."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    servers = [SGLangServer(config, gpu_id=None if gpu_ids is None else gpu_ids[i]) for i in range(num_servers)]
+    try:
+        for server in servers:
+            server.start()
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def wait_all_ready(servers: list[SGLangServer]) -> None:
+    """Wait for every server in parallel; the first failure raises (naming the server and its log tail)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        for future in [pool.submit(s.wait_ready) for s in servers]:
+            future.result()
+
+
+def stop_all(servers: list[SGLangServer]) -> None:
+    with ThreadPoolExecutor(max(len(servers), 1)) as pool:
+        list(pool.map(SGLangServer.stop, servers))
+
+
 @contextlib.contextmanager
 def launch_servers(config: ServerConfig, num_servers: int = 1,
                    gpu_ids: list[int] | None = None) -> Iterator[list[SGLangServer]]:
@@ -277,16 +304,9 @@ def launch_servers(config: ServerConfig, num_servers: int = 1,
 
     If any server fails to start, all are stopped and the error names the server and its log tail.
     """
-    if num_servers < 1:
-        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-    servers = [SGLangServer(config, gpu_id=None if gpu_ids is None else gpu_ids[i]) for i in range(num_servers)]
+    servers = start_servers(config, num_servers, gpu_ids)
     try:
-        for server in servers:
-            server.start()
-        with ThreadPoolExecutor(num_servers) as pool:
-            for future in [pool.submit(s.wait_ready) for s in servers]:
-                future.result()
+        wait_all_ready(servers)
         yield servers
     finally:
-        with ThreadPoolExecutor(num_servers) as pool:
-            list(pool.map(SGLangServer.stop, servers))
+        stop_all(servers)

@@ -37,8 +37,9 @@ from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo import profiling
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.backends import open_backend
+from megatron_gspo.rollout.backends import open_backend, start_sglang
 from megatron_gspo.rewards.pool import RewardPool
+from megatron_gspo.rollout.server import stop_all
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
@@ -53,6 +54,17 @@ from megatron_gspo.training.step import train_on_batch
 def train(config: TrainConfig) -> None:
     prepared = preflight(config)
     profiling.enable(config.logging.profile)
+    with contextlib.ExitStack() as stack:
+        # SGLang servers to launch start first (rank 0): their start-up overlaps Megatron's below.
+        started = None
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # torchrun's
+        if config.rollout.backend == "sglang" and not config.rollout.server_urls and rank == 0:
+            started = start_sglang(config)
+            stack.callback(stop_all, started)  # also if anything below fails before the backend owns them
+        _train(config, prepared, started)
+
+
+def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> None:
     pgs = init_megatron(config.parallel, seed=config.seed)  # every process group, built once
     stop = StopRequest()
     policy = build_policy(config, pgs)
@@ -60,7 +72,8 @@ def train(config: TrainConfig) -> None:
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
     with contextlib.ExitStack() as stack:
-        rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack)))
+        rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack,
+                                                                      started)))
         rollout.preload(state.user_state.get("rollout_ahead", []))  # batches sampled before the checkpoint
         logger = stack.enter_context(open_logger(config, state)) if dist.get_rank() == 0 else None
         if state.step:  # the servers start from the HF weights: give them the resumed ones
@@ -139,9 +152,9 @@ def timed(times: dict, key: str, fn, *args):
 
 
 def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest, prepared: Prepared,
-                 stack: contextlib.ExitStack) -> Rollout:
+                 stack: contextlib.ExitStack, started: list | None = None) -> Rollout:
     """The prompt stream, the reward pool (rank 0; closed by `stack`) and the configured backend on the
-    ranks that hold one (SGLang: rank 0; megatron: every rank)."""
+    ranks that hold one (SGLang: rank 0, with the servers `started` earlier; megatron: every rank)."""
     backend, scorer = None, None
     if config.rollout.backend == "megatron" or dist.get_rank() == 0:
         pool = None
@@ -149,7 +162,8 @@ def open_rollout(config: TrainConfig, policy: Policy, stop: StopRequest, prepare
             r = config.reward
             pool = stack.enter_context(RewardPool(r.fn, workers=r.workers, timeout_s=r.timeout_s))
         backend = open_backend(config, model=policy.model, vocab_size=policy.shape.vocab_size,
-                               tokenizer=prepared.tokenizer, pgs=policy.pgs, routing=policy.routing)
+                               tokenizer=prepared.tokenizer, pgs=policy.pgs, routing=policy.routing,
+                               started=started)
         scorer = Scorer(pool, config.reward, collective=backend.collective)
     if dist.get_rank() == 0:
         d = prepared.dataset
