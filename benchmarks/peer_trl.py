@@ -9,8 +9,10 @@ What each side is:
 - this project: `megatron-gspo train examples/tiny_cpu.yaml`: one SGLang server on CPU for the rollouts
   (HTTP), Megatron-Core with TP2 on 2 processes (gloo) for pi_old's log-probs and training, the new weights
   to the server through disk after every step, a checkpoint every checkpoint.interval steps (the example's
-  10). Two rows: gspo.dynamic_sampling=false (reads the same prompts per step as TRL: like for like) and
-  true (the example's default: zero-signal groups are dropped and more prompts rolled out).
+  10). Three rows: gspo.dynamic_sampling=false (reads the same prompts per step as TRL: like for like),
+  true (the example's default: zero-signal groups are dropped and more prompts rolled out), and
+  ours_overlap: dynamic sampling off with rollout.max_staleness=1 gspo.old_logprobs=rollout (the servers
+  sample the next batch while this one trains; one step off-policy, pi_old = the sampler's log-probs).
 
 Matched (the numbers are read from the project's resolved config and passed to the TRL script): the model
 (`megatron-gspo tiny-model DIR --warm-start arithmetic`, one HF directory for both), the prompts
@@ -40,7 +42,7 @@ sampling a step generates more samples than it trains on).
 
     python benchmarks/peer_trl.py                # 100 rollout steps per side (the issue's comparison)
     python benchmarks/peer_trl.py --quick        # smoke run: 3 steps per side (no 10-step window)
-    python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dynamic
+    python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dynamic, ours_overlap
 
 Run with the project's .venv python (needs .venv-sglang, scripts/setup_sglang.sh); the first run makes the
 TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip takes a CPU wheel where its
@@ -74,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +96,11 @@ project's .venv, so both sides run the same kernels for the same model)."""
 CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 WORKER = REPO / "benchmarks" / "peer_trl_worker.py"
 REWARD_TARGET, WINDOW = 0.8, 10
-SIDES = ("trl", "ours", "ours_dynamic")
+SIDES = ("trl", "ours", "ours_dynamic", "ours_overlap")
+OVERLAP = ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"]
+"""ours_overlap: one-step-off rollouts (the servers sample the next batch while this one trains, weights
+one version older) with the sampler's log-probs as pi_old: no recompute. Not like for like (off-policy by
+one step): the fastest this project runs the demo."""
 
 
 @dataclass
@@ -204,9 +211,10 @@ def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, thre
         notes=[f"generate() alone: median {statistics.median([r['generate_s'] for r in steps][1:] or [0]):.3f} s"])
 
 
-def our_overrides(hf_dir: Path, run_dir: Path, steps: int, dynamic_sampling: bool) -> list[str]:
+def our_overrides(hf_dir: Path, run_dir: Path, steps: int, dynamic_sampling: bool, extra: Sequence[str] = ()
+                  ) -> list[str]:
     """examples/tiny_cpu.yaml's overrides for one row: fresh run directory, fixed steps, no eval."""
-    return [f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}",
+    return [*extra, f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'checkpoints'}",
             f"num_steps={steps}", f"gspo.dynamic_sampling={str(dynamic_sampling).lower()}", "eval.interval=0",
             "logging.progress_bar=true", "logging.tensorboard=false"]
 
@@ -287,7 +295,8 @@ def header(config: TrainConfig, trl_threads: int, trl_versions: dict, our_versio
         f"{g.algorithm} band {eps_low:g}/{eps_high:g}, no KL, lr {o.lr:g} {o.schedule}, {config.model.dtype}, "
         f"temperature {config.sampling.temperature:g}, {config.sampling.max_new_tokens} new tokens, "
         f"{config.reward.fn} reward, seed {config.seed}; ours without held-out eval. "
-        "`ours`: gspo.dynamic_sampling=false (like for like); `ours_dynamic`: true (the example's default).",
+        "`ours`: gspo.dynamic_sampling=false (like for like); `ours_dynamic`: true (the example's default); "
+        f"`ours_overlap`: like `ours` with {' '.join(OVERLAP)} (one step off-policy, no recompute).",
         "- Seconds per rollout step, median over steps 2..N (columns: benchmarks/peer_trl.py's docstring).", "", ""])
 
 
@@ -308,7 +317,8 @@ def main() -> None:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
     out = a.out.resolve()
     hf_dir = out / "hf"
-    rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic")
+    rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic",
+                                extra=OVERLAP if side == "ours_overlap" else ())
             for side in SIDES if side != "trl"}
     configs = {side: load_config(CONFIG, overrides) for side, overrides in rows.items()}  # bad overrides fail now
     config = configs["ours"]  # the like-for-like settings, TRL's too
@@ -320,7 +330,7 @@ def main() -> None:
         print(f"trl: {steps} steps ...", flush=True)
         results.append(run_trl(python, config, hf_dir, out / "trl", a.trl_threads))
         results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
-    for side in ("ours", "ours_dynamic"):
+    for side in SIDES[1:]:
         if side in sides:
             print(f"{side}: {steps} steps ...", flush=True)
             results.append(run_ours(side, rows[side], out / side))
