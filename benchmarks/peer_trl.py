@@ -51,19 +51,20 @@ printed and written to runs/peer_trl/results.md; per-step records lie under runs
 
 Not run in CI (it installs TRL); `--quick` is the smoke check (~2 min with the TRL environment present).
 
-Measured 2026-12-04 04:20-04:27 UTC (defaults, 100 rollout steps per side), on a quiet 2-core machine
-(1-min load average 0.8-1.8 at the end of each side):
+Measured 2026-12-04 19:04-19:17 UTC (defaults, 100 rollout steps per side; 1-min load average 1.7-3.4 at
+the end of each side; the machine ran ~1.6x slower than at 04:20, when TRL took 0.176 s and ours 0.639 s
+per step, 3.63x):
 
 | side | step s (median) | generation s | training s | other s | mean step s | start-up s | wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |
 |---|---|---|---|---|---|---|---|---|---|
-| trl | 0.176 | 0.039 | 0.137 | 0.000 | 0.182 | 3.7 | 17 (73) | 0.807 | 23 |
-| ours | 0.639 | 0.273 | 0.309 | 0.054 | 0.659 | 23.7 | 60 (55) | 0.909 | 97 |
-| ours_dynamic | 2.755 | 2.281 | 0.316 | 0.056 | 2.260 | 22.6 | 59 (44) | 0.973 | 257 |
+| trl | 0.287 | 0.057 | 0.228 | 0.000 | 0.308 | 4.6 | 21 (58) | 0.809 | 37 |
+| ours | 0.887 | 0.341 | 0.474 | 0.050 | 0.901 | 40.3 | 105 (71) | 0.887 | 140 |
+| ours_dynamic | 4.039 | 3.495 | 0.551 | 0.057 | 3.366 | 31.6 | 83 (41) | 0.999 | 378 |
+| ours_overlap | 0.572 | 0.002 | 0.485 | 0.070 | 0.599 | 32.2 | 66 (57) | 0.899 | 102 |
 
-Per-step time (median): ours / trl 3.63x, ours_dynamic / trl 15.64x. trl: generate() alone 0.032 s; ours:
-weight sync 0.046 s, checkpoints 1.0 s over the run, 16 groups per step; ours_dynamic: 150 groups per step
-(median). An earlier run of the same command at 03:55-04:11, while another run's set-up and demo loaded the
-machine (load 8-14), is not comparable (TRL 2.37 s per step there) and is left out.
+Per-step time (median): ours / trl 3.09x, ours_dynamic / trl 14.05x, ours_overlap / trl 1.99x. trl:
+generate() alone 0.046 s; ours: weight sync 0.036 s, checkpoints 1.7 s over the run, 16 groups per step;
+ours_dynamic: 176 groups per step (median).
 """
 from __future__ import annotations
 
