@@ -26,8 +26,8 @@ needs the two work-arounds below (tested: DP2, bitwise); neither path has been r
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import queue
 import random
 import re
 import shutil
@@ -167,10 +167,13 @@ def _in_process_results_queue() -> None:
     trainer's main module, 3.4 s per checkpoint of the tiny demo model (measured, TP2, 2 cores; the
     save itself takes 0.06 s), and a process that, kept alive, is orphaned by a kill -9 and holds the
     launcher's stdout open. The queue carries the write results only between the forked writer
-    processes' parent (this process, in a synchronous save) and the caller, so an ordinary
-    fork-context queue does the same job with no process at all.
+    processes' parent (this process, in a synchronous save) and the caller, both in this process, so an
+    ordinary thread queue does the same job with no process at all. Not a multiprocessing.Queue: its
+    put() hands the item to a feeder thread, and the writer's get_nowait() right after it can find the
+    pipe still empty ("results_queue should not be empty": seen in CI's Slurm requeue test, where the
+    save ran while the job was being signalled on a loaded machine).
     """
-    filesystem_async._results_queue = mp.get_context("fork").Queue()
+    filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: list, optimizer, scheduler=None,

@@ -34,3 +34,18 @@ def test_stale_or_garbled_latest_file_falls_back_to_newest_complete(tmp_path):
 
 def test_iteration_dir_name(tmp_path):
     assert iteration_dir(tmp_path, 7).name == "iter_0000007"
+
+
+def test_writer_results_are_readable_right_after_they_are_put():
+    """dist_checkpointing's synchronous save puts the write results into its results queue and reads
+    them back with get_nowait() in the same process; a multiprocessing queue (fed by a thread) is
+    often still empty then ("results_queue should not be empty": a failed save)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_gspo.training.checkpoint import _in_process_results_queue
+
+    _in_process_results_queue()
+    results = filesystem_async._get_write_results_queue()
+    for i in range(200):
+        results.put({"bucket": i})
+        assert results.get_nowait() == {"bucket": i}
