@@ -39,6 +39,13 @@ def default_sglang_python() -> str:
     return os.environ.get(SGLANG_PYTHON_ENV) or str(REPO_ROOT / ".venv-sglang" / "bin" / "python")
 
 
+def check_sglang_python(python: str) -> None:
+    """ValueError unless the interpreter that launches SGLang exists."""
+    if not Path(python).exists():
+        raise ValueError(f"SGLang python {python!r} does not exist: run scripts/setup_sglang.sh "
+                         f"or set ${SGLANG_PYTHON_ENV}")
+
+
 _TORCHRUN_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"}
 
@@ -97,9 +104,7 @@ class ServerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if not Path(self.model_path).is_dir():
             raise ValueError(f"model_path {self.model_path!r} is not a directory")
-        if not Path(self.python).exists():
-            raise ValueError(f"SGLang python {self.python!r} does not exist: run scripts/setup_sglang.sh "
-                             f"or set ${SGLANG_PYTHON_ENV}")
+        check_sglang_python(self.python)
 
 
 class SGLangServer:

@@ -181,13 +181,19 @@ def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, ap
     _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)))
 
 
+def check_disk_sync_folder(folder: str | Path) -> None:
+    """ValueError when SGLang's disk loader cannot find weights in `folder`: it globs the folder for
+    *.safetensors, so a path with a glob character (*, ? or [) matches no file."""
+    if any(c in str(Path(folder).resolve()) for c in "*?["):
+        raise ValueError(f"weight sync folder {str(folder)!r} has a glob character (*, ? or [): SGLang's loader "
+                         "globs the folder for *.safetensors and would find none")
+
+
 class DiskSync:
     """WeightSync through a shared file system: an HF checkpoint in `folder`, loaded by every server."""
 
     def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None):
-        if any(c in str(Path(folder).resolve()) for c in "*?["):
-            raise ValueError(f"weight sync folder {str(folder)!r} (under logging.run_dir) has a glob character "
-                             "(*, ? or [): SGLang's loader globs the folder for *.safetensors and would find none")
+        check_disk_sync_folder(folder)
         self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:

@@ -19,8 +19,9 @@ from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.rewards.verifiers import load_reward_fn
 from megatron_gspo.rollout.megatron_backend import check_sampling
-from megatron_gspo.rollout.server import SGLANG_PYTHON_ENV, default_sglang_python
+from megatron_gspo.rollout.server import check_sglang_python, default_sglang_python
 from megatron_gspo.samples import Prompt
+from megatron_gspo.sync.sglang import check_disk_sync_folder
 
 
 @dataclass
@@ -72,14 +73,16 @@ def preflight(config: TrainConfig) -> Prepared:
     _writable(config.logging.run_dir, "logging.run_dir")
     if config.checkpoint.export_hf is not None:
         _writable(str(Path(config.checkpoint.export_hf).resolve().parent), "checkpoint.export_hf")
-    if config.rollout.backend == "sglang" and not config.rollout.server_urls:
-        python = default_sglang_python()
-        if not Path(python).exists():
-            raise ValueError(f"rollout.backend=sglang launches SGLang servers with {python!r}, which does not "
-                             f"exist: run scripts/setup_sglang.sh, or set ${SGLANG_PYTHON_ENV}")
-    if config.rollout.weight_sync == "disk" and any(c in str(Path(config.logging.run_dir).resolve()) for c in "*?["):
-        raise ValueError(f"logging.run_dir {config.logging.run_dir!r} has a glob character (*, ? or [): with "
-                         "rollout.weight_sync=disk SGLang globs run_dir/weights for the weights and finds none")
+    try:
+        if config.rollout.backend == "sglang" and not config.rollout.server_urls:
+            check_sglang_python(default_sglang_python())
+    except ValueError as e:
+        raise ValueError(f"rollout.backend=sglang launches SGLang servers: {e}") from None
+    try:
+        if config.rollout.weight_sync == "disk":
+            check_disk_sync_folder(Path(config.logging.run_dir) / "weights")  # the folder SGLangBackend syncs
+    except ValueError as e:
+        raise ValueError(f"logging.run_dir (rollout.weight_sync=disk): {e}") from None
     if not config.data.train:
         raise ValueError("data.train is required to train: a .jsonl/.parquet prompt file or a save_to_disk "
                          "directory (see README, 'Train on your own data')")
