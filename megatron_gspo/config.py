@@ -133,6 +133,11 @@ class GSPOConfig:
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where pi_old's log-probs come from: recomputed by Megatron before the first mini-batch
     (mini-batch 1 then has s_i == 1 exactly), or the rollout engine's own."""
+    recompute: Literal["fused", "per_minibatch"] = "fused"
+    """How old_logprobs=recompute runs (training/step.py): fused: mini-batch 1's pi_old is its own training
+    forward (detached; s_i == 1 exactly) and mini-batches 2..K are recomputed in one forward-only pass,
+    re-packed by parallel.max_tokens_per_microbatch; per_minibatch: one forward-only pass per mini-batch on
+    the micro-batches it trains on. MoE models always run per_minibatch (routing is recorded per micro-batch)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 32

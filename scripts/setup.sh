@@ -19,6 +19,7 @@ requirements=(
   "transformers==5.19.0" "tokenizers==0.23.2" "safetensors"
   "matplotlib"  # the reward / clip-fraction / length plot of a run
   "httpx"       # the async rollout client (SGLang HTTP API)
+  "sniffio"     # without it httpcore retries a failing `import sniffio` on every request (~100 a rollout step)
   "datasets==5.2.0" "pyarrow"  # prompt files: jsonl, parquet, save_to_disk directories (megatron_gspo/data)
   "math-verify==0.9.0"         # the `math` reward: LaTeX / \boxed{} / fractions / sets equivalence
 )

@@ -78,13 +78,17 @@ def _run_model(model, batch: MicroBatch, routing: RoutingPass | None = None):
 
 
 def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
-                        num_microbatches: int, with_entropy: bool = False, routing: RoutingPass | None = None):
+                        num_microbatches: int, with_entropy: bool = False, routing: RoutingPass | None = None,
+                        on_policy: bool = False):
     """A forward step whose gradients are d(loss_sum / num_global_sequences)/d(theta) (see above).
 
     The data iterator yields full-length MicroBatch objects; this step takes its CP rank's part.
     The logs dict carries the unscaled `loss_sum`, `num_sequences` and the policy-loss metrics
     (with_entropy: also `entropy_token_sum`, which costs the float32 backward one exp per logit).
     `routing` (MoE): records or replays each micro-batch's routing (model/routing.py).
+    `on_policy`: the weights are pi_old's (mini-batch 1 of a recompute step), so pi_old's log-probs are
+    this forward's own, detached: s_i == 1 exactly, the gradient that of the recomputed case, and no
+    separate recompute pass. The logs then also carry them (`logprobs`, [B, S/cp], detached).
     """
     if num_global_sequences < 1:
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
@@ -95,14 +99,17 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
         logprobs_BS, entropy_BS = out if with_entropy else (out, None)
         rows, seq_len = logprobs_BS.shape
         advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
+        old_logprobs_BS = logprobs_BS.detach() if on_policy else batch.old_logprobs_BS
         loss_sum, num_sequences, metrics = policy_loss(
-            logprobs_BS.flatten(), batch.old_logprobs_BS.flatten(), advantages,
+            logprobs_BS.flatten(), old_logprobs_BS.flatten(), advantages,
             batch.loss_mask_BS.flatten(), torch.arange(rows + 1) * seq_len,
             algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
             cp_group=pgs.cp)
         if with_entropy:
             metrics["entropy_token_sum"] = _entropy_sum(entropy_BS, batch)
         logs = {"loss_sum": loss_sum.detach(), "num_sequences": num_sequences, "metrics": metrics}
+        if on_policy:
+            logs["logprobs"] = logprobs_BS.detach()
         return loss_sum * scale, logs
 
     def forward_step(data_iterator, model):
@@ -115,13 +122,17 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
 def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection,
                           routing: RoutingPass | None = None):
     """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
-    the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward)."""
+    the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward),
+    also per row (`entropy_row_sum`, `response_tokens_row`: [B], over this CP rank's positions)."""
 
     def loss_func(batch: MicroBatch, logits_SBV):
         logprobs_BS, entropy_BS = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=True)
+        mask_BS = batch.loss_mask_BS.bool()
+        entropy_B = torch.where(mask_BS, entropy_BS.detach().double(), 0.0).sum(1)
+        tokens_B = mask_BS.sum(1).double()
         return logits_SBV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
-                                          "entropy_token_sum": _entropy_sum(entropy_BS, batch),
-                                          "response_tokens": batch.loss_mask_BS.bool().sum().double()}
+                                          "entropy_token_sum": entropy_B.sum(), "response_tokens": tokens_B.sum(),
+                                          "entropy_row_sum": entropy_B, "response_tokens_row": tokens_B}
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))

@@ -59,4 +59,5 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
         loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
                           temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
         num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
-        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch, routing_replay=gspo.routing_replay)
+        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch, routing_replay=gspo.routing_replay,
+        recompute=gspo.recompute)

@@ -3,9 +3,15 @@
     records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, scheduler=scheduler)
 
 1. The batch is cut into K consecutive mini-batches and each is packed for this DP rank (packing.py).
-2. old_logprobs="recompute": one forward-only pass per mini-batch, before any update, on exactly the
-   micro-batches it will train on, so mini-batch 1's training forward reproduces them bitwise and its
-   s_i is exactly 1 (nothing clipped). The train-vs-rollout log-prob gap is measured here.
+2. old_logprobs="recompute", before any update. recompute="fused" (the default): mini-batch 1 trains
+   on-policy, its pi_old log-probs being its own training forward's, detached, so its s_i is exactly 1
+   (nothing clipped) with no pass of its own; mini-batches 2..K are recomputed together in one
+   forward-only pass over this rank's rows of all of them, re-packed by the token budget (a few large
+   micro-batches instead of K-1 small ones). recompute="per_minibatch": one forward-only pass per
+   mini-batch on exactly the micro-batches it will train on (mini-batch 1's training forward then
+   reproduces them bitwise). MoE models (routing given) always take per_minibatch: the routing of each
+   micro-batch is recorded and compared there. The train-vs-rollout log-prob gap is measured in
+   whichever forward gives pi_old.
    old_logprobs="rollout": the sampler's log-probs are pi_old; mini-batch 1's ratio *is* that gap.
 3. Each mini-batch: one forward/backward over its micro-batches (policy_forward_step's loss contract
    makes the gradient d(-J over the mini-batch's N sequences)), one optimizer step, metrics.
@@ -56,6 +62,8 @@ class StepSettings:
     """Micro-batch token budget (rows x padded length)."""
     routing_replay: Literal["off", "old", "rollout"] = "off"
     """MoE Routing Replay: off, old (pi_old's recorded routing; R2), rollout (the sampler's; R3)."""
+    recompute: Literal["fused", "per_minibatch"] = "fused"
+    """How old_logprobs="recompute" runs (module docstring, 2.); MoE with routing: per_minibatch."""
 
 
 def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[Trainable]]:
@@ -86,17 +94,21 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     if settings.old_logprobs == "rollout" and any(r.rollout_logprobs is None for r in responses):
         raise ValueError("old_logprobs='rollout' needs rollout_logprobs on every response")
     _check_routing(settings, routing, responses)
+    minis = split_minibatches(responses, settings.num_minibatches)
     with profiling.span("train/pack"):
-        packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch)
-                  for mini in split_minibatches(responses, settings.num_minibatches)]
+        packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch) for mini in minis]
     # pi_old's routing of each mini-batch (per micro-batch, chunk, router), when known.
     references: list[list | None] = [None] * len(packed)
     if routing is not None and settings.routing_replay == "rollout":
         references = [_rollout_targets(mini, routing, pgs) for mini in packed]
 
     gaps: list[dict[str, float]] = [{} for _ in packed]
+    fused = settings.old_logprobs == "recompute" and settings.recompute == "fused" and routing is None
     start = time.perf_counter()
-    if settings.old_logprobs == "recompute":
+    if fused:
+        with profiling.span("train/recompute"):
+            gaps[1:] = _recompute_fused(model, packed[1:], minis[1:], settings, pgs)
+    elif settings.old_logprobs == "recompute":
         with profiling.span("train/recompute"):
             for k, mini in enumerate(packed):
                 routing_pass = None if routing is None else routing.pass_(replay=references[k], compare=references[k])
@@ -117,8 +129,9 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
             replay = references[k] if settings.routing_replay != "off" else None
             routing_pass = routing.pass_(replay=replay, compare=references[k])
         # The policy's entropy comes with the recompute pass; without one, from the training forward.
-        record = _optimizer_step(model, optimizer, mini, settings.loss, pgs,
-                                 with_entropy=settings.old_logprobs == "rollout", routing=routing_pass)
+        on_policy = fused and k == 0
+        record = _optimizer_step(model, optimizer, mini, settings.loss, pgs, on_policy=on_policy,
+                                 with_entropy=settings.old_logprobs == "rollout" or on_policy, routing=routing_pass)
         if routing_pass is not None and references[k] is not None:
             record.update(_routing_metrics(routing_pass, pgs, "moe_routing_changed_fraction"))
         if scheduler is not None:
@@ -191,23 +204,79 @@ def _recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pg
 
 def _recompute_metrics(mini: PackedMiniBatch, outputs: list, pgs: ProcessGroupCollection) -> dict:
     if not is_pp_last_stage(pgs.pp):
-        return _from_last_stage({}, pgs)
-    # |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens (own CP part)
-    sums = torch.zeros(7, dtype=torch.float64)
-    for i, (mb, out) in enumerate(zip(mini.micro_batches, outputs)):
-        logprobs_BS = gather_from_cp(out["logprobs"], pgs.cp)
-        mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
-        if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
-            sums[:5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
-        sums[5:] += torch.stack([out["entropy_token_sum"], out["response_tokens"]])
+        return _old_logprob_metrics([mini], [[]], [None], pgs)[0]
+    logprobs = [gather_from_cp(out["logprobs"], pgs.cp) for out in outputs]
+    entropy = torch.stack([sum(out["entropy_token_sum"] for out in outputs),
+                           sum(out["response_tokens"] for out in outputs)])
+    return _old_logprob_metrics([mini], [logprobs], [entropy], pgs)[0]
+
+
+def _old_logprob_metrics(minis: Sequence[PackedMiniBatch], logprobs: Sequence[list], entropy: Sequence,
+                         pgs: ProcessGroupCollection) -> list[dict]:
+    """Set each mini-batch's old_logprobs_BS from pi_old's log-probs (per micro-batch, [B, S], whole rows:
+    gathered over CP) and return its metrics: the train-vs-rollout gap and, where `entropy` gives its
+    (entropy sum, tokens) over this rank's response tokens, the entropy. One all-reduce for all of them;
+    the values reach every pipeline stage (only the last one has log-probs: the others pass [])."""
+    if not is_pp_last_stage(pgs.pp):
+        return _from_last_stage([{} for _ in minis], pgs)
+    # per mini-batch: |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens
+    sums = torch.zeros(len(minis), 7, dtype=torch.float64)
+    for k, (mini, mini_logprobs) in enumerate(zip(minis, logprobs)):
+        for i, (mb, logprobs_BS) in enumerate(zip(mini.micro_batches, mini_logprobs)):
+            mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
+            if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
+                sums[k, :5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
+        if entropy[k] is not None:
+            sums[k, 5:] += entropy[k]
     dist.all_reduce(sums, group=pgs.dp_cp)
-    abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = sums.tolist()
-    values = {"entropy": entropy_sum / max(entropy_tokens, 1.0)}
-    if mini.rollout_logprobs:
-        values.update({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
-                       "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
-                       "rollout_nonfinite_tokens": nonfinite})
+    values = []
+    for mini, e, row in zip(minis, entropy, sums.tolist()):
+        abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = row
+        v = {} if e is None else {"entropy": entropy_sum / max(entropy_tokens, 1.0)}
+        if mini.rollout_logprobs:
+            v.update({"train_rollout_abs_delta_token": abs_token / max(tokens, 1.0),
+                      "train_rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
+                      "rollout_nonfinite_tokens": nonfinite})
+        values.append(v)
     return _from_last_stage(values, pgs)
+
+
+@torch.no_grad()
+def _recompute_fused(model, packed: Sequence[PackedMiniBatch], minis: Sequence[Sequence[Trainable]],
+                     settings: StepSettings, pgs: ProcessGroupCollection) -> list[dict]:
+    """pi_old's log-probs of mini-batches 2..K (`packed`, with their responses `minis`) in one
+    forward-only pass: this rank's rows of all of them, re-packed by the token budget; each row's
+    log-probs go back to its place in its own micro-batch. The metrics of each mini-batch, as
+    _recompute_metrics gives them. Dense models only (no routing to record per micro-batch); under
+    PP the merged micro-batches are uniform, as the schedule needs."""
+    if not packed:
+        return []
+    places, rows = [], []   # (mini-batch, micro-batch, row) of each of this rank's rows, and its response
+    for k, mini in enumerate(packed):
+        for j, indices in enumerate(mini.rows):
+            for b, i in enumerate(indices):
+                places.append((k, j, b))
+                rows.append(minis[k][i])
+    merged = pack_minibatch(rows, dp_size=1, dp_rank=0, max_tokens=settings.max_tokens_per_microbatch,
+                            pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1)
+    with profiling.span("train/recompute/forward"):
+        outputs = run_schedule(model, merged, logprobs_forward_step(settings.loss, pgs=pgs), pgs=pgs,
+                               forward_only=True)
+    with profiling.span("train/recompute/metrics"):
+        if not is_pp_last_stage(pgs.pp):
+            return _old_logprob_metrics(packed, [[] for _ in packed], [None] * len(packed), pgs)
+        # Scatter the merged rows back as whole rows (a row's CP split depends on its padded length).
+        logprobs = [[torch.zeros(mb.tokens_BS.shape) for mb in mini.micro_batches] for mini in packed]
+        entropy = torch.zeros(len(packed), 2, dtype=torch.float64)
+        for indices, out in zip(merged.rows, outputs):
+            full_BS = gather_from_cp(out["logprobs"], pgs.cp)
+            for b, l in enumerate(indices):
+                k, j, row = places[l]
+                target = logprobs[k][j]
+                width = min(target.shape[1], full_BS.shape[1])  # beyond both: padding
+                target[row, :width] = full_BS[b, :width]
+                entropy[k] += torch.stack([out["entropy_row_sum"][b], out["response_tokens_row"][b]])
+        return _old_logprob_metrics(packed, logprobs, list(entropy), pgs)
 
 
 def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
@@ -223,20 +292,26 @@ def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
 
 
 def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
-                    with_entropy: bool = False, routing: RoutingPass | None = None) -> dict:
+                    with_entropy: bool = False, routing: RoutingPass | None = None, on_policy: bool = False) -> dict:
+    """One optimizer step on `mini`. on_policy: pi_old is this forward's own log-probs (policy_forward_step),
+    which also fill old_logprobs_BS and give the train-vs-rollout gap, as a recompute pass would."""
     with profiling.span("train/zero_grad"):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
     forward_step = policy_forward_step(loss, pgs=pgs, num_global_sequences=mini.num_global_sequences,
                                        num_microbatches=mini.num_microbatches, with_entropy=with_entropy,
-                                       routing=routing)
+                                       routing=routing, on_policy=on_policy)
     with profiling.span("train/forward_backward"):
         outputs = run_schedule(model, mini, forward_step, pgs=pgs, forward_only=False)
     with profiling.span("train/optimizer"):
         update_successful, grad_norm, _ = optimizer.step()
     with profiling.span("train/metrics"):
-        return _step_metrics(optimizer, mini, outputs, pgs, update_successful, grad_norm)
+        record = _step_metrics(optimizer, mini, outputs, pgs, update_successful, grad_norm)
+        if on_policy:
+            logprobs = [gather_from_cp(o["logprobs"], pgs.cp) for o in outputs] if is_pp_last_stage(pgs.pp) else []
+            record.update(_old_logprob_metrics([mini], [logprobs], [None], pgs)[0])
+        return record
 
 
 def _step_metrics(optimizer, mini: PackedMiniBatch, outputs: list, pgs: ProcessGroupCollection,

@@ -1,6 +1,7 @@
 """train_on_batch on two gloo processes (tests/distributed/workers/train_step.py has the checks):
 the gradient does not depend on the micro-batch split, mini-batch 1 after a recompute has s == 1
-exactly and clips nothing, an injected train-vs-rollout gap is measured, and the loss falls."""
+exactly and clips nothing, an injected train-vs-rollout gap is measured, the loss falls, and the
+fused recompute trains like the per-mini-batch one."""
 from pathlib import Path
 
 import pytest
@@ -23,5 +24,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", [
     "dp2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("tp2", "pp2", "cp2", "ep2_moe"))])
 def test_train_on_batch(name):
-    # microbatch invariance, on-policy first mini-batch, train-rollout gap, loss decreases, entropy
-    run_checks(WORKER, 2, *LAYOUTS[name], checks=5, timeout=240)
+    # microbatch invariance, on-policy first mini-batch, train-rollout gap, loss decreases, entropy,
+    # fused recompute = per-mini-batch recompute
+    run_checks(WORKER, 2, *LAYOUTS[name], checks=6, timeout=240)

@@ -2,7 +2,8 @@
 
 usage: torchrun --nproc-per-node 2 train_step.py TP PP EP MODEL [CP]
 e.g. `1 1 1 dense` (data parallel over 2 ranks), `2 1 1 dense`, `1 2 1 dense`, `1 1 1 dense 2`, `1 1 2 moe` (tiny
-Qwen3-MoE, experts over 2 ranks). Five checks, in order, on one model: each trains it further.
+Qwen3-MoE, experts over 2 ranks). Five checks, in order, on one model: each trains it further; a sixth
+(fused vs per-mini-batch recompute) on two fresh ones.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def main():
     train_rollout_gap(model, optimizer, loss, responses)
     fixed, wide = loss_decreases(model, optimizer, loss, responses)
     entropy(model, optimizer, loss, fixed, wide, shape, layout)
+    fused_recompute(layout, pgs, preset, loss, responses)
     done()
 
 
@@ -142,6 +144,33 @@ def entropy(model, optimizer, loss, fixed, wide, shape, layout):
                 count += len(r.response_ids)
         assert abs(from_recompute - total / count) <= 1e-5 * from_recompute, (from_recompute, total / count)
     say(f"entropy {from_recompute:.6f} (recompute) vs {from_training:.6f} (training forward)")
+
+
+@check("fused recompute")
+def fused_recompute(layout, pgs, preset, loss, responses):
+    """recompute="fused" (mini-batch 1 from its own forward, 2..K in one re-packed pass) trains like
+    "per_minibatch" (one pass per mini-batch on its own micro-batches): the same records, to float noise,
+    with mini-batch 1 on-policy in both. Rollout log-probs are given, so the gap metrics are compared too.
+    (MoE: both run per mini-batch, routing being recorded there.)"""
+    g = torch.Generator().manual_seed(11)
+    with_rollout = [dataclasses.replace(r, rollout_logprobs=(-torch.rand(len(r.response_ids), generator=g)).tolist())
+                    for r in responses]
+    runs = {}
+    for mode in ("fused", "per_minibatch"):
+        model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+        settings = StepSettings(loss, num_minibatches=4, max_tokens_per_microbatch=48, recompute=mode)
+        runs[mode] = train_on_batch(model, optimizer, with_rollout, settings, pgs=pgs, scheduler=scheduler)
+    for k, (a, b) in enumerate(zip(runs["fused"], runs["per_minibatch"])):
+        assert a.keys() == b.keys(), (k, sorted(set(a) ^ set(b)))
+        for key in a:
+            if key.endswith("_time_s") or key.endswith("_per_s"):
+                continue
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (k, key, a[key], b[key])
+    first = runs["fused"][0]
+    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clipped_fraction_seq"] == 0.0, first
+    assert runs["fused"][1]["ratio_min"] != 1.0 or runs["fused"][1]["ratio_max"] != 1.0
+    say(f"fused recompute: {len(runs['fused'])} mini-batches agree with per-mini-batch recompute; "
+        f"gap {first['train_rollout_abs_delta_token']:.6f}, entropy {first['entropy']:.6f}")
 
 
 if __name__ == "__main__":
