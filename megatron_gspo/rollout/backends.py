@@ -146,8 +146,7 @@ def start_sglang(config: TrainConfig) -> list[SGLangServer]:
         model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
         device="cuda" if torch.cuda.is_available() else "cpu",
         max_running_requests=r.concurrency, return_routed_experts=config.gspo.routing_replay == "rollout",
-        log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args,
-        cpu_threads=r.server_cpu_threads), r.num_servers)
+        log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args), r.num_servers)
 
 
 def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer,

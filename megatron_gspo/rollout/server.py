@@ -91,8 +91,6 @@ class ServerConfig:
     (state_capturer/base.py:68-72, sized by the KV pool: model_executor/model_runner.py:1233)."""
     extra_args: tuple[str, ...] = ()
     """Further `launch_server` arguments, verbatim."""
-    cpu_threads: int | None = None
-    """device="cpu": the server's torch threads (OMP_NUM_THREADS); None: torch's default (every core)."""
     startup_timeout_s: float = 300.0
     """How long to wait for /health_generate before giving up."""
     log_dir: str | None = None
@@ -104,8 +102,6 @@ class ServerConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1 or None, got {self.cpu_threads}")
         if not Path(self.model_path).is_dir():
             raise ValueError(f"model_path {self.model_path!r} is not a directory")
         check_sglang_python(self.python)
@@ -151,8 +147,6 @@ class SGLangServer:
             # CPU test scaffolding only: the import stand-ins (platform/sglang_cpu_stubs/README.md) and
             # the CPU engine.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
-            if self.config.cpu_threads is not None:
-                env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STUBS_DIR), env.get("PYTHONPATH")) if p)
         elif self.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)

@@ -39,13 +39,6 @@ def test_command_and_cpu_environment(tmp_path):
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     stubs = Path(env["PYTHONPATH"].split(os.pathsep)[0])  # the import stand-ins come first
     assert (stubs / "sgl_kernel" / "__init__.py").is_file() and (stubs / "torchvision" / "__init__.py").is_file()
-    # CPU threads: OMP_NUM_THREADS only when set, and only on CPU
-    threads = dataclasses.replace(config, cpu_threads=1)
-    assert SGLangServer(threads, port=1).environment()["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in SGLangServer(dataclasses.replace(threads, device="cuda"), port=1).environment()
-    assert server.environment().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
-    with pytest.raises(ValueError, match="cpu_threads"):
-        dataclasses.replace(config, cpu_threads=0)
 
 
 def test_server_that_exits_reports_its_log_tail(tmp_path):
