@@ -17,6 +17,7 @@ its last checkpoint): late in the run dynamic sampling rolls out many more promp
     python benchmarks/step.py --hf runs/tiny_cpu/hf_final --variants disk   # a trained model
     python benchmarks/step.py --vary rollout.concurrency --variants 16,64 --repeats 2   # any config key
     python benchmarks/step.py --profile --variants disk   # + the parts of a step, per rank (logging.profile)
+    python benchmarks/step.py --vary parallel.tp --variants 2,1+parallel.dp=2   # "+": a variant's own overrides
 
 --profile runs with logging.profile=true (megatron_gspo/profiling.py) and prints, per variant, the
 step's named parts below the phases: rank 0's seconds per step and the most any other rank spent, each
@@ -194,9 +195,10 @@ def main(argv=None) -> int:
             for variant in args.variants.split(","):
                 print(f"running {args.steps} steps with {args.vary}={variant} "
                       f"({repeat + 1}/{args.repeats}) ...", flush=True)
+                value, *more = variant.split("+")  # "1+parallel.dp=2": the value, then overrides of its own
                 runs[f"{short}={variant}"].append(run_variant(
                     args.config, hf_dir, Path(tmp) / f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', variant)}-{repeat}", args.steps, args.checkpoint_interval,
-                    [f"{args.vary}={variant}", *args.override, *(["logging.profile=true"] if args.profile else [])]))
+                    [f"{args.vary}={value}", *more, *args.override, *(["logging.profile=true"] if args.profile else [])]))
         results = {name: {key: statistics.mean(r.get(key, 0.0) for r in rs) for key in {k for r in rs for k in r}}
                    for name, rs in runs.items()}
         if args.repeats > 1:
