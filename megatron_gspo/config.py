@@ -187,6 +187,11 @@ class RolloutConfig:
     """SGLang servers to launch when server_urls is empty."""
     concurrency: int = 64
     """Requests in flight per server."""
+    parallel_sampling: Literal["n", "copies"] = "n"
+    """How the G samples of a group are asked of SGLang (one request per group either way): n (the prompt
+    once, sampling_params.n = G: one prefill shared by the G samples) or copies (the prompt G times with
+    n = 1: no warm-up round trip, one message to the scheduler; faster for short prompts and with the
+    radix cache off, e.g. the CPU demo). See rollout/client.py:ClientConfig.parallel_sampling."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
     under run_dir/weights that the servers read; needs a file system they share), tensor (shared

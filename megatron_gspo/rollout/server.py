@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -32,6 +33,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_STUBS_DIR = Path(__file__).resolve().parents[1] / "platform" / "sglang_cpu_stubs"
 """SGLang's CPU import stand-ins (platform/sglang_cpu_stubs/README.md), a folder put on PYTHONPATH."""
 SGLANG_PYTHON_ENV = "MEGATRON_GSPO_SGLANG_PYTHON"
+BATCHED_ATTENTION_ENV = "MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION"
+"""Read by the CPU plugin (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py): "0" turns it off."""
+
+
+def cpu_plugin():
+    """The CPU servers' SGLang plugin module (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py),
+    loaded from its folder for tests; the trainer itself never runs it."""
+    spec = importlib.util.spec_from_file_location("megatron_gspo_sglang_cpu", CPU_STUBS_DIR / "megatron_gspo_sglang_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def default_sglang_python() -> str:
@@ -84,6 +96,10 @@ class ServerConfig:
     """SGLang's overlap scheduler (CPU-side batch preparation overlapped with the previous batch's
     forward); None: on with CUDA, off on CPU (`--disable-overlap-schedule`), where there is no device to
     overlap with: measured on the demo (benchmarks/step.py, 2 interleaved repeats) rollout 0.85x, step 0.93x."""
+    batched_attention: bool = True
+    """CPU only: the server runs SGLang's torch_native attention as one batched SDPA per layer instead of
+    one per request (a plugin on the CPU PYTHONPATH, platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py):
+    the demo's rollout call (16 prompts x 16) 0.6x the time. False: SGLang's own per-request loop."""
     return_routed_experts: bool = False
     """`--enable-return-routed-experts` (SGLang arg_groups/fields/exec_.py:158): record every token's MoE
     routing so requests can ask for it (gspo.routing_replay=rollout, ClientConfig.routed_experts). MoE
@@ -148,6 +164,7 @@ class SGLangServer:
             # the CPU engine.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STUBS_DIR), env.get("PYTHONPATH")) if p)
+            env[BATCHED_ATTENTION_ENV] = "1" if self.config.batched_attention else "0"
         elif self.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
         return env

@@ -9,9 +9,11 @@ import torch
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutError
+from megatron_gspo.rollout.server import cpu_plugin
 from sglang_test_utils import API_KEY, make_prompts, recompute_logprobs
 
 pytestmark = pytest.mark.sglang
+INSTALLED = cpu_plugin().INSTALLED  # what the CPU plugin prints to a server's log when SGLang loads it
 G = 4
 
 
@@ -19,11 +21,14 @@ def client(servers, **overrides):
     return RolloutClient([s.url for s in servers], ClientConfig(api_key=API_KEY, **overrides))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_model, temperature):
+@pytest.mark.parametrize("temperature, parallel_sampling", [(1.0, "n"), (0.7, "copies")])
+def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_model, temperature, parallel_sampling):
+    """Also: the servers run the CPU plugin's batched attention (platform/sglang_cpu_stubs/), whose
+    log-probs are the ones checked here; both ways of asking for a group's samples."""
+    assert all(INSTALLED in s.log_path.read_text(errors="replace") for s in servers)
     prompts = make_prompts(tokenizer, 6)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=24)
-    groups, stats = client(servers).generate_sync(prompts, G, sampling)
+    groups, stats = client(servers, parallel_sampling=parallel_sampling).generate_sync(prompts, G, sampling)
     assert [g[0].group_id for g in groups] == list(range(6))
     deltas = []
     for prompt, group in zip(prompts, groups):

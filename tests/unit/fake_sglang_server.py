@@ -96,10 +96,12 @@ class FakeSGLang:
         if self.stall:
             await asyncio.sleep(3600)
         await asyncio.sleep(self.delay_s)
-        n = payload["sampling_params"]["n"]
-        first = payload["input_ids"][0]
+        # One prompt with n samples, or (a batch, as SGLang takes one) prompts one after another with n each.
+        batch = payload["input_ids"] if isinstance(payload["input_ids"][0], list) else [payload["input_ids"]]
+        samples = [prompt for prompt in batch for _ in range(payload["sampling_params"]["n"])]
         items = []
-        for i in range(n):
+        for i, prompt in enumerate(samples):
+            first = prompt[0]
             ids = [first * 100 + i * 10 + t for t in range(self.response_len)]
             logprobs = [[None if self.null_logprob and t == 1 else -0.5, tok, None] for t, tok in enumerate(ids)]
             if self.short_logprobs:
@@ -108,7 +110,7 @@ class FakeSGLang:
             meta = {"id": f"{first}-{i}", "finish_reason": finish, "weight_version": self.name,
                     "output_token_logprobs": logprobs}
             if payload.get("return_routed_experts") and self.routing is not None:
-                positions = len(payload["input_ids"]) + len(ids) - 1 + self.routing_extra_positions
+                positions = len(prompt) + len(ids) - 1 + self.routing_extra_positions
                 ids_TLk = fake_routing(positions, *self.routing, salt=i)
                 # As SGLang's detokenizer encodes the int32 [T, L, k] tensor (detokenizer_manager.py:443).
                 meta["routed_experts"] = base64.b64encode(ids_TLk.tobytes()).decode("utf-8")

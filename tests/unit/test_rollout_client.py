@@ -47,6 +47,19 @@ def test_groups_are_spread_round_robin_and_complete():
     assert groups[0][0].rollout_logprobs == [-0.5, -0.5, -0.5]
 
 
+def test_copies_ask_for_a_group_as_g_prompts_with_n_1():
+    async def main():
+        async with FakeSGLang(name="a") as a:
+            config = ClientConfig(parallel_sampling="copies", **FAST)
+            groups, _ = await RolloutClient([a.url], config).generate(prompts(3), G, SamplingConfig(max_new_tokens=3))
+            return groups, a
+    groups, a = run(main())
+    assert_complete(groups, 3)
+    assert len(a.received) == 3  # still one request per group
+    sent = a.received[0]
+    assert sent["input_ids"] == [[1, 7]] * G and sent["sampling_params"]["n"] == 1
+
+
 def test_server_dying_mid_batch_loses_and_duplicates_nothing():
     async def main():
         async with FakeSGLang(name="a", die_after=3, delay_s=0.02) as a, FakeSGLang(name="b", delay_s=0.02) as b:
