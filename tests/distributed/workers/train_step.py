@@ -165,7 +165,10 @@ def fused_recompute(layout, pgs, preset, loss, responses):
         for key in a:
             if key.endswith("_time_s") or key.endswith("_per_s"):
                 continue
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (k, key, a[key], b[key])
+            # Log-ratios are differences of float32 log-probs of size ~log V (~7.6 here), each rounded to
+            # ~5e-7 and summed in another order by the other packing: 1e-6 absolute is that noise (one run
+            # under load measured 1.2e-7 on abs_log_ratio_per_seq = 0.0104, over rel 1e-5).
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (k, key, a[key], b[key])
     first = runs["fused"][0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clipped_fraction_seq"] == 0.0, first
     assert runs["fused"][1]["ratio_min"] != 1.0 or runs["fused"][1]["ratio_max"] != 1.0
