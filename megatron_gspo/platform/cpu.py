@@ -84,6 +84,25 @@ def _run_on_cpu(owner: Any, attr: str) -> Undo:
     return _swap(owner, attr, wrapper)
 
 
+def _run_without_cpu_mode(owner: Any, attr: str) -> Undo:
+    """Replace owner.attr by one that leaves an enclosing CudaLiteralsToCpu mode while it runs.
+
+    A torch-function mode costs a Python call on every torch op under it. The schedules need the mode
+    for three allocations only; the forward and backward steps they call (hundreds of ops per
+    micro-batch, none naming CUDA) run faster without it.
+    """
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not isinstance(torch.overrides._get_current_function_mode(), CudaLiteralsToCpu):
+            return fn(*args, **kwargs)
+        with torch.overrides._pop_mode_temporarily():
+            return fn(*args, **kwargs)
+
+    return _swap(owner, attr, wrapper)
+
+
 class _DropMessage(logging.Filter):
     def __init__(self, message: str):
         super().__init__()
@@ -226,14 +245,17 @@ def _alltoall_splits() -> list[Undo]:
 
 def _schedules() -> list[Undo]:
     # pipeline_parallel/schedules.py:596, :983, :2138 allocate `total_num_tokens` with device="cuda"
-    # in every schedule (no pipelining, interleaved, 1F1B).
+    # in every schedule (no pipelining, interleaved, 1F1B). The per-micro-batch forward_step and
+    # backward_step (schedules.py:311, :446), which the schedules call by their module-level names,
+    # name no CUDA device and run outside the mode.
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    return [_run_on_cpu(schedules, name) for name in (
+    undo = [_run_on_cpu(schedules, name) for name in (
         "forward_backward_no_pipelining",
         "forward_backward_pipelining_with_interleaving",
         "forward_backward_pipelining_without_interleaving",
     )]
+    return undo + [_run_without_cpu_mode(schedules, name) for name in ("forward_step", "backward_step")]
 
 
 def _optimizer() -> list[Undo]:

@@ -43,6 +43,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
 from megatron_gspo.convert.load import named_model_chunks
+from megatron_gspo.training.optimizer import fuse_cpu_adam
 
 LATEST = "latest_checkpointed_iteration.txt"
 _COMPLETE = re.compile(r"^iter_(\d{7})$")
@@ -230,6 +231,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, sc
         with torch.no_grad():  # it copies into the main parameters, views of the model's with fp32 params
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
+        if not torch.cuda.is_available():  # the saved param_groups replace ours, fused flag included
+            fuse_cpu_adam(optimizer)
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])

@@ -11,5 +11,5 @@ WORKER = Path(__file__).parent / "workers" / "platform_patches.py"
 
 @pytest.mark.distributed
 def test_each_cpu_patch_is_needed_and_works():
-    # "every patch has a probe", then one check per patch
-    run_checks(WORKER, 2, checks=1 + len(PATCHES), timeout=300)
+    # "every patch has a probe", one check per patch, then forward/backward steps outside the mode
+    run_checks(WORKER, 2, checks=1 + len(PATCHES) + 1, timeout=300)

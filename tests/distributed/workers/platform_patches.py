@@ -30,7 +30,7 @@ from checks import check, done
 LAYOUT = ParallelConfig(ep=2, dp=2)  # the 2 processes of tests/distributed/test_platform_patches.py
 
 
-def train_step() -> None:
+def train_step(wrap=lambda step: step) -> None:
     """Build the tiny MoE model and optimizer, run one GSPO step through Megatron's schedule."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,6 +44,7 @@ def train_step() -> None:
                        torch.tensor([1.0, -1.0]))
     step = policy_forward_step(LossSettings(vocab_size=TINY_MOE.vocab_size), pgs=model_process_groups(model),
                                num_global_sequences=4, num_microbatches=1)
+    step = wrap(step)
     get_forward_backward_func()(forward_step_func=step, data_iterator=iter([batch]), model=model,
                                 num_microbatches=1, seq_length=16, micro_batch_size=2, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
@@ -145,9 +146,36 @@ def main() -> None:
     for patch in PATCHES:
         with check(f"patch {patch.name}: its probe passes with it and fails without it"):
             check_patch(patch)
+    with check("forward and backward steps run outside the CUDA-literal mode the schedules need"):
+        modes_inside_steps()
     done()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def modes_inside_steps() -> None:
+    """The schedules run under CudaLiteralsToCpu; schedules.forward_step/backward_step leave it (a
+    torch-function mode costs a Python call per op). Record the mode seen in the forward and the backward."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    seen = {}
+
+    def recording(fn, key):
+        def wrapper(*args, **kwargs):
+            # first call only: under a mode, torch.autograd.backward re-enters itself via the mode
+            seen.setdefault(key, torch.overrides._get_current_function_mode())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    real = torch.autograd.backward, schedules.custom_backward
+    torch.autograd.backward = recording(real[0], "backward")
+    schedules.custom_backward = recording(real[1], "backward")
+    try:
+        train_step(wrap=lambda step: recording(step, "forward"))
+    finally:
+        torch.autograd.backward, schedules.custom_backward = real
+    assert set(seen) == {"forward", "backward"}, seen
+    assert seen["forward"] is None and seen["backward"] is None, seen
 
 
 def check_patch(patch) -> None:

@@ -58,6 +58,9 @@ def microbatch_invariance(layout, pgs, preset, shape, loss, responses):
     norms, losses = [], []
     for budget in (4096, 40):
         model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+        groups = [g for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                  for g in opt.optimizer.param_groups]
+        assert groups and all(g["fused"] for g in groups), "CPU Adam should run torch's fused kernel"
         (rec,) = train_on_batch(model, optimizer, responses, StepSettings(loss, num_minibatches=1,
                                 max_tokens_per_microbatch=budget), pgs=pgs, scheduler=scheduler)
         norms.append(rec["grad_norm"]); losses.append(rec["loss"])
