@@ -9,8 +9,9 @@ What each side is:
 - this project: `megatron-gspo train examples/tiny_cpu.yaml`: one SGLang server on CPU for the rollouts
   (HTTP), Megatron-Core with TP2 on 2 processes (gloo) for pi_old's log-probs and training, the new weights
   to the server through disk after every step, a checkpoint every checkpoint.interval steps (the example's
-  10). Three rows: gspo.dynamic_sampling=false (reads the same prompts per step as TRL: like for like),
-  true (the example's default: zero-signal groups are dropped and more prompts rolled out), and
+  10). Four rows: gspo.dynamic_sampling=false (reads the same prompts per step as TRL: like for like),
+  ours_dp2: the same with the 2 trainer processes data-parallel (parallel.tp=1 parallel.dp=2) instead of
+  TP2, true (the example's default: zero-signal groups are dropped and more prompts rolled out), and
   ours_overlap: dynamic sampling off with rollout.max_staleness=1 gspo.old_logprobs=rollout (the servers
   sample the next batch while this one trains; one step off-policy, pi_old = the sampler's log-probs).
 
@@ -42,7 +43,7 @@ sampling a step generates more samples than it trains on).
 
     python benchmarks/peer_trl.py                # 100 rollout steps per side (the issue's comparison)
     python benchmarks/peer_trl.py --quick        # smoke run: 3 steps per side (no 10-step window)
-    python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dynamic, ours_overlap
+    python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dp2, ours_dynamic, ours_overlap
 
 Run with the project's .venv python (needs .venv-sglang, scripts/setup_sglang.sh); the first run makes the
 TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip takes a CPU wheel where its
@@ -51,20 +52,20 @@ printed and written to runs/peer_trl/results.md; per-step records lie under runs
 
 Not run in CI (it installs TRL); `--quick` is the smoke check (~2 min with the TRL environment present).
 
-Measured 2026-12-04 19:04-19:17 UTC (defaults, 100 rollout steps per side; 1-min load average 1.7-3.4 at
-the end of each side; the machine ran ~1.6x slower than at 04:20, when TRL took 0.176 s and ours 0.639 s
-per step, 3.63x):
+Measured 2026-12-05 23:40-23:52 UTC (`--sides trl,ours,ours_dp2,ours_overlap`, 100 rollout steps per side;
+1-min load average 2.0-3.1 at the end of each side, from the side itself):
 
 | side | step s (median) | generation s | training s | other s | mean step s | start-up s | wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |
 |---|---|---|---|---|---|---|---|---|---|
-| trl | 0.287 | 0.057 | 0.228 | 0.000 | 0.308 | 4.6 | 21 (58) | 0.809 | 37 |
-| ours | 0.887 | 0.341 | 0.474 | 0.050 | 0.901 | 40.3 | 105 (71) | 0.887 | 140 |
-| ours_dynamic | 4.039 | 3.495 | 0.551 | 0.057 | 3.366 | 31.6 | 83 (41) | 0.999 | 378 |
-| ours_overlap | 0.572 | 0.002 | 0.485 | 0.070 | 0.599 | 32.2 | 66 (57) | 0.899 | 102 |
+| trl | 0.193 | 0.042 | 0.150 | 0.000 | 0.198 | 3.5 | 18 (73) | 0.807 | 24 |
+| ours | 0.409 | 0.131 | 0.237 | 0.036 | 0.428 | 27.4 | 55 (64) | 0.855 | 78 |
+| ours_dp2 | 0.333 | 0.130 | 0.167 | 0.030 | 0.347 | 25.4 | 46 (60) | 0.845 | 68 |
+| ours_overlap | 0.362 | 0.001 | 0.303 | 0.051 | 0.382 | 23.9 | 46 (58) | 0.916 | 70 |
 
-Per-step time (median): ours / trl 3.09x, ours_dynamic / trl 14.05x, ours_overlap / trl 1.99x. trl:
-generate() alone 0.046 s; ours: weight sync 0.036 s, checkpoints 1.7 s over the run, 16 groups per step;
-ours_dynamic: 176 groups per step (median).
+Per-step time (median): ours / trl 2.12x, ours_dp2 / trl 1.73x, ours_overlap / trl 1.88x. trl: generate()
+alone 0.034 s; ours: weight sync 0.027 s, checkpoints 1.0 s over the run, 16 groups per step.
+Before (2026-12-04 19:04-19:17, a loaded machine): trl 0.287 s, ours 0.887 s (3.09x), ours_overlap 0.572 s,
+ours_dynamic 4.039 s (176 groups per step).
 """
 from __future__ import annotations
 
@@ -97,8 +98,13 @@ project's .venv, so both sides run the same kernels for the same model)."""
 CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 WORKER = REPO / "benchmarks" / "peer_trl_worker.py"
 REWARD_TARGET, WINDOW = 0.8, 10
-SIDES = ("trl", "ours", "ours_dynamic", "ours_overlap")
+SIDES = ("trl", "ours", "ours_dp2", "ours_dynamic", "ours_overlap")
 OVERLAP = ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"]
+DP2 = ["parallel.tp=1", "parallel.dp=2"]
+"""ours_dp2: like `ours` (like for like) with the 2 trainer processes data-parallel instead of TP2: no
+collective inside a layer, one gradient all-reduce per mini-batch. The layout a 2-layer model should use;
+the example keeps TP2 because it exercises the vocabulary-sharded path big models take."""
+EXTRA = {"ours_dp2": DP2, "ours_overlap": OVERLAP}
 """ours_overlap: one-step-off rollouts (the servers sample the next batch while this one trains, weights
 one version older) with the sampler's log-probs as pi_old: no recompute. Not like for like (off-policy by
 one step): the fastest this project runs the demo."""
@@ -297,6 +303,7 @@ def header(config: TrainConfig, trl_threads: int, trl_versions: dict, our_versio
         f"temperature {config.sampling.temperature:g}, {config.sampling.max_new_tokens} new tokens, "
         f"{config.reward.fn} reward, seed {config.seed}; ours without held-out eval. "
         "`ours`: gspo.dynamic_sampling=false (like for like); `ours_dynamic`: true (the example's default); "
+        f"`ours_dp2`: like `ours` with {' '.join(DP2)} (data-parallel trainer instead of TP2); "
         f"`ours_overlap`: like `ours` with {' '.join(OVERLAP)} (one step off-policy, no recompute).",
         "- Seconds per rollout step, median over steps 2..N (columns: benchmarks/peer_trl.py's docstring).", "", ""])
 
@@ -319,7 +326,7 @@ def main() -> None:
     out = a.out.resolve()
     hf_dir = out / "hf"
     rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic",
-                                extra=OVERLAP if side == "ours_overlap" else ())
+                                extra=EXTRA.get(side, ()))
             for side in SIDES if side != "trl"}
     configs = {side: load_config(CONFIG, overrides) for side, overrides in rows.items()}  # bad overrides fail now
     config = configs["ours"]  # the like-for-like settings, TRL's too

@@ -89,9 +89,15 @@ class ParallelConfig:
     counts). A sequence longer than the budget gets a micro-batch of its own."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer)."""
+    pack_sequences: bool = False
+    """Several responses per micro-batch row, each attending only to itself (training/packing.py): less
+    padding when response lengths vary. Needs the local attention spec (CPU; Transformer Engine's packed
+    format, THD, is not wired here) and pp = 1."""
 
     def __post_init__(self):
         _positive("parallel", self, "tp", "pp", "cp", "ep", "dp", "max_tokens_per_microbatch")
+        _check(not (self.pack_sequences and self.pp > 1), "parallel.pack_sequences",
+               "needs pp = 1 (pipeline stages exchange activations of one fixed shape)", self.pack_sequences)
         if self.etp is not None:
             _positive("parallel", self, "etp")
         if self.vpp is not None:

@@ -1,7 +1,7 @@
 """Batches as the trainer hands them to Megatron's schedules.
 
-Shapes: B sequences (one per row, right-padded), S positions. Position s of a row holds input token
-tokens[s] and the target labels[s] = tokens[s+1] that the logits at s predict; loss_mask[s] = 1 when
+Shapes: B rows (one sequence each, right-padded, unless rows are packed: segments_BS), S positions.
+Position s of a row holds input token tokens[s] and the target labels[s] = tokens[s+1] that the logits at s predict; loss_mask[s] = 1 when
 that target is a trained response token. Everything that varies along S is split the same way under
 context parallelism, so the shift never crosses a CP boundary.
 """
@@ -29,9 +29,22 @@ class MicroBatch:
     routing_BSLk: torch.Tensor | None = None
     """The rollout engine's MoE routing to replay (gspo.routing_replay=rollout): [B, S, L, k] expert ids
     of input position s at layer l (uint8/int16); padding positions hold experts 0..k-1. None otherwise."""
+    segments_BS: torch.Tensor | None = None
+    """Packed rows (training/packing.py): which of the micro-batch's sequences (0..N-1, row-major) each
+    position belongs to, -1 on padding; a position attends only to earlier positions of its own
+    sequence. None: one sequence per row, causal attention over the row."""
+    positions_BS: torch.Tensor | None = None
+    """Packed rows: each position's index within its own sequence (the rotary position). None: 0..S-1."""
+
+    @property
+    def packed(self) -> bool:
+        return self.segments_BS is not None
 
     @property
     def num_sequences(self) -> int:
+        """Sequences in the micro-batch (of the whole micro-batch: a CP rank's part may lack some)."""
+        if self.packed:
+            return int(self.segments_BS.max()) + 1
         return self.tokens_BS.shape[0]
 
     def for_cp_rank(self, cp_size: int, cp_rank: int) -> "MicroBatch":
@@ -46,5 +59,7 @@ class MicroBatch:
         return MicroBatch(**parts)
 
     def rows(self, start: int, stop: int) -> "MicroBatch":
+        if self.packed:
+            raise ValueError("rows() of packed rows would cut the per-sequence advantages apart")
         return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[start:stop]
                              for f in fields(self)})

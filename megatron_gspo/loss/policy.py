@@ -46,12 +46,19 @@ class _Sequences(NamedTuple):
     cp_group: object
 
 
-def _sequences(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens, cp_group) -> _Sequences:
-    num_tokens = logprobs_T.shape[0]
-    if not (old_logprobs_T.shape == loss_mask_T.shape == logprobs_T.shape) or logprobs_T.dim() != 1:
-        raise ValueError(f"logprobs {tuple(logprobs_T.shape)}, old_logprobs {tuple(old_logprobs_T.shape)}"
-                         f" and loss_mask {tuple(loss_mask_T.shape)} must be equal 1-D shapes")
-    given = torch.as_tensor(cu_seqlens, device=logprobs_T.device)
+def _sequence_index(cu_seqlens, sequence_ids, num_sequences, num_tokens: int, device):
+    """(seq_T, S): each token's sequence and the number of sequences, from cu_seqlens or sequence_ids."""
+    if (cu_seqlens is None) == (sequence_ids is None):
+        raise ValueError("give exactly one of cu_seqlens and sequence_ids")
+    if sequence_ids is not None:
+        seq_T = torch.as_tensor(sequence_ids, device=device)
+        if seq_T.shape != (num_tokens,) or seq_T.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"sequence_ids must be [{num_tokens}] integers, got {tuple(seq_T.shape)} {seq_T.dtype}")
+        if num_sequences is None or num_sequences < 0 or \
+                (num_tokens and not 0 <= int(seq_T.min()) <= int(seq_T.max()) < num_sequences):
+            raise ValueError(f"sequence_ids must lie in [0, num_sequences={num_sequences})")
+        return seq_T.long(), num_sequences
+    given = torch.as_tensor(cu_seqlens, device=device)
     cu_seqlens = given.long()
     # Checked on `given`: a cast to long alone would turn 2.5 into 2 (silently moving a boundary), and
     # an empty tensor has no [0] to compare.
@@ -60,7 +67,16 @@ def _sequences(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens, cp_group) ->
         raise ValueError(f"cu_seqlens must be integers rising from 0 to {num_tokens} tokens, "
                          f"got {given.tolist()}")
     num_seqs = cu_seqlens.numel() - 1
-    seq_T = torch.repeat_interleave(torch.arange(num_seqs, device=cu_seqlens.device), cu_seqlens.diff())
+    return torch.repeat_interleave(torch.arange(num_seqs, device=cu_seqlens.device), cu_seqlens.diff()), num_seqs
+
+
+def _sequences(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens, cp_group, sequence_ids=None,
+               num_sequences=None) -> _Sequences:
+    num_tokens = logprobs_T.shape[0]
+    if not (old_logprobs_T.shape == loss_mask_T.shape == logprobs_T.shape) or logprobs_T.dim() != 1:
+        raise ValueError(f"logprobs {tuple(logprobs_T.shape)}, old_logprobs {tuple(old_logprobs_T.shape)}"
+                         f" and loss_mask {tuple(loss_mask_T.shape)} must be equal 1-D shapes")
+    seq_T, num_seqs = _sequence_index(cu_seqlens, sequence_ids, num_sequences, num_tokens, logprobs_T.device)
 
     logprobs_T = logprobs_T.float()
     old_logprobs_T = old_logprobs_T.float()
@@ -175,12 +191,15 @@ def clip_range(algorithm: Algorithm, eps_low: float | None = None, eps_high: flo
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, cu_seqlens, *, algorithm: Algorithm = "gspo",
                 eps_low: float | None = None, eps_high: float | None = None, cp_group=None,
-                max_log_ratio: float = 20.0):
+                max_log_ratio: float = 20.0, sequence_ids=None, num_sequences: int | None = None):
     """(loss_sum, num_sequences, metrics) with loss_sum / N_global = -J of the chosen algorithm.
 
     logprobs: [T] current log-probs (grad flows); old_logprobs: [T] behaviour policy's; loss_mask: [T]
     1 on trained response tokens; advantages: [S] per sequence (any algorithm) or [T] per token
     (gspo_token, grpo). eps_low/eps_high default to the algorithm's own (DEFAULT_CLIP).
+    The sequences are contiguous runs given by `cu_seqlens`, or (cu_seqlens=None) any positions:
+    `sequence_ids` [T] gives each token's sequence in 0..num_sequences-1 (packed rows under CP, where a
+    rank holds two separate chunks of each row); num_sequences must then be the same on every CP rank.
     Sequences that are empty or hold a non-finite response log-prob contribute 0 and no gradient,
     are still counted in num_sequences, and are reported in the metrics.
     """
@@ -189,7 +208,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     eps_low, eps_high = clip_range(algorithm, eps_low, eps_high)
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    seqs = _sequences(logprobs, old_logprobs, loss_mask, cu_seqlens, cp_group)
+    seqs = _sequences(logprobs, old_logprobs, loss_mask, cu_seqlens, cp_group, sequence_ids, num_sequences)
     loss_sum, ratio_S, clipped_S, clipped_T = _ALGORITHMS[algorithm](
         seqs, advantages.to(logprobs.device), eps_low, eps_high, max_log_ratio)
     num_sequences = seqs.count_S.shape[0] if seqs.owner else 0

@@ -18,6 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_gspo.config import ParallelConfig
+from megatron_gspo.model.packed_rows import rotary_at_positions
 from megatron_gspo.model.spec import local_layer_spec
 
 
@@ -142,6 +143,15 @@ class PolicyGPTModel(GPTModel):
     here that hook returns them, and the trainer's log-probs are computed on [s, b] (the labels
     transposed, a small tensor). Without labels it is GPTModel exactly.
     """
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        """GPTModel.forward; with an `attention_mask` (packed rows' segment ids, model/packed_rows.py) the
+        rotary angles follow `position_ids` (each sequence's own positions) instead of 0..s-1."""
+        if attention_mask is None or getattr(self, "rotary_pos_emb", None) is None \
+                or self.position_embedding_type != "rope":
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        with rotary_at_positions(self.rotary_pos_emb, position_ids):
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def compute_language_model_loss(self, labels, logits):
         if self.config.mtp_num_layers:

@@ -155,6 +155,11 @@ class ContextParallelDotProductAttention(MegatronModule):
         [b, 1, S, S] mask with this rank's query rows selected (what Megatron-LM's
         `get_batch_on_this_cp_rank` does to 'attention_mask'). Without a mask, causal mask types
         mask by global position.
+
+        An *integer* attention_mask [b, S] is packed rows' segment ids (types.MicroBatch.segments_BS,
+        the whole row in natural order, -1 on padding): each sequence attends causally to itself only,
+        computed sequence by sequence (varlen, like TE's THD path on GPU) instead of as a masked S x S
+        product per row; see _segment_attention.
         """
         if packed_seq_params is not None:
             raise NotImplementedError(
@@ -182,6 +187,9 @@ class ContextParallelDotProductAttention(MegatronModule):
             # With a KV cache the queries are the last sq positions (sq == sk without one).
             q_pos = torch.arange(S - sq, S)
 
+        if attention_mask is not None and not attention_mask.is_floating_point() \
+                and attention_mask.dtype != torch.bool:
+            return self._segment_attention(query, key, value, attention_mask, q_pos)
         if attention_mask is None and mask_type in _CAUSAL_TYPES:
             # [sq, S]: query at global position i sees keys at positions <= i.
             k_pos = torch.arange(S)
@@ -232,3 +240,110 @@ class ContextParallelDotProductAttention(MegatronModule):
         context_Bqh = torch.bmm(probs_bnqS.reshape(b * n_heads, sq, S), v_BSh)
         context_qbnh = context_Bqh.view(b, n_heads, sq, hn).permute(2, 0, 1, 3).contiguous()
         return context_qbnh.view(sq, b, self.hidden_size_per_partition)
+
+    def _segment_attention(self, query: Tensor, key: Tensor, value: Tensor, segments_BS: Tensor,
+                           q_pos: Tensor) -> Tensor:
+        """Causal attention within each segment of packed rows: query [sq, b, np, hn] (this rank's
+        positions q_pos), key/value [S, b, ng, hn] (all positions, natural order) -> [sq, b, np*hn].
+
+        The (row, segment) pairs are bucketed by length and each bucket runs as one batched product
+        padded to its longest member, so the work is about sum(L_i^2) instead of rows x S^2. The
+        arithmetic per query is the dense path's (baddbmm scaled scores, masked_fill, float32 softmax,
+        bmm) over its own sequence's keys only.
+        """
+        sq, b, n_q, hn = query.shape
+        S, ng = key.size(0), key.size(2)
+        if segments_BS.shape != (b, S):
+            raise ValueError(f"segment ids must be [b={b}, S={S}], got {tuple(segments_BS.shape)}")
+        plan = _segment_plan(segments_BS, q_pos)
+        heads_per_group = n_q // ng
+        q_flat = query.transpose(0, 1).reshape(b * sq, n_q, hn)
+        k_flat = key.transpose(0, 1).reshape(b * S, ng, hn)
+        v_flat = value.transpose(0, 1).reshape(b * S, ng, hn)
+        out_flat = query.new_zeros(b * sq, n_q * hn)
+        for idx_q, idx_k, masked in plan:
+            G, Lq = idx_q.shape
+            Lk = idx_k.shape[1]
+            q = q_flat[idx_q.clamp(min=0)]                                     # [G, Lq, n, hn]
+            k, v = k_flat[idx_k.clamp(min=0)], v_flat[idx_k.clamp(min=0)]      # [G, Lk, ng, hn]
+            if heads_per_group > 1:
+                k = k.repeat_interleave(heads_per_group, dim=2)
+                v = v.repeat_interleave(heads_per_group, dim=2)
+            q_Bqh = q.permute(0, 2, 1, 3).reshape(G * n_q, Lq, hn)
+            k_BhS = k.permute(0, 2, 3, 1).reshape(G * n_q, hn, Lk)
+            v_BSh = v.permute(0, 2, 1, 3).reshape(G * n_q, Lk, hn)
+            scores = torch.baddbmm(q_Bqh.new_empty(G * n_q, Lq, Lk), q_Bqh, k_BhS,
+                                   beta=0.0, alpha=self.softmax_scale)
+            scores = scores.view(G, n_q, Lq, Lk).to(torch.promote_types(scores.dtype, torch.float32))
+            if self.layer_scaling_coeff is not None:
+                scores = scores * self.layer_scaling_coeff
+            scores = scores.masked_fill(masked[:, None], _MASKED_SCORE)
+            probs = torch.softmax(scores, dim=-1).to(query.dtype)
+            if self.training and self.attention_dropout.p > 0:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs = self.attention_dropout(probs)
+            context = torch.bmm(probs.reshape(G * n_q, Lq, Lk), v_BSh)          # [G*n, Lq, hn]
+            context = context.view(G, n_q, Lq, hn).permute(0, 2, 1, 3).reshape(G * Lq, n_q * hn)
+            valid = idx_q.flatten() >= 0
+            out_flat = out_flat.index_copy(0, idx_q.flatten()[valid], context[valid])
+        return out_flat.view(b, sq, n_q * hn).transpose(0, 1).contiguous()
+
+
+def _segment_plan(segments_BS: Tensor, q_pos: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Buckets of (row, segment) pairs: [G, Lq] flat query indices (row * sq + local position, -1 =
+    pad), [G, Lk] flat key indices (row * S + position, -1 = pad) and the [G, Lq, Lk] mask (True =
+    masked: a later key or padding). Vectorised (no Python loop over sequences); cached on the segment
+    tensor, since every layer of a forward reuses it."""
+    cached = getattr(segments_BS, "_gspo_segment_plan", None)
+    if cached is not None and torch.equal(cached[0], q_pos):
+        return cached[1]
+    b, S = segments_BS.shape
+    sq = q_pos.numel()
+    rows = torch.arange(b)[:, None]
+    key_k = (rows * (S + 2) + segments_BS + 1).flatten()                 # one id per (row, segment)
+    key_q = (rows * (S + 2) + segments_BS[:, q_pos] + 1).flatten()
+    pair_ids, k_pair, Lk = torch.unique(key_k, return_inverse=True, return_counts=True)
+    q_pair = torch.searchsorted(pair_ids, key_q)   # a query's own position is one of its pair's keys
+    Lq = torch.bincount(q_pair, minlength=pair_ids.numel())
+    k_at = torch.arange(S).repeat(b)                                       # global position of each key
+    q_at = q_pos.repeat(b)
+
+    def ranks(pair_of: Tensor, counts: Tensor) -> Tensor:
+        """Each element's index within its pair, in flat order."""
+        order = torch.argsort(pair_of, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(pair_of)
+        rank[order] = torch.arange(pair_of.numel()) - starts[pair_of[order]]
+        return rank
+
+    k_rank, q_rank = ranks(k_pair, Lk), ranks(q_pair, Lq)
+    active = torch.nonzero(Lq > 0).flatten()
+    active = active[torch.argsort(Lk[active], descending=True, stable=True)]
+    lengths = Lk[active].tolist()
+    plan, start = [], 0
+    while start < len(lengths):
+        end = start + 1
+        while end < len(lengths) and 4 * lengths[end] >= 3 * lengths[start]:
+            end += 1    # a bucket's members are at least 3/4 of its longest: <= ~44% padded work
+        members = active[start:end]
+        G, L_k, L_q = len(members), lengths[start], int(Lq[members].max())
+        slot = torch.full((pair_ids.numel(),), -1, dtype=torch.long)
+        slot[members] = torch.arange(G)
+        idx_q = torch.full((G, L_q), -1, dtype=torch.long)
+        idx_k = torch.full((G, L_k), -1, dtype=torch.long)
+        at_q = torch.full((G, L_q), -1, dtype=torch.long)
+        at_k = torch.full((G, L_k), torch.iinfo(torch.long).max, dtype=torch.long)
+        in_k, in_q = slot[k_pair] >= 0, slot[q_pair] >= 0
+        gk, rk = slot[k_pair][in_k], k_rank[in_k]
+        gq, rq = slot[q_pair][in_q], q_rank[in_q]
+        idx_k[gk, rk] = torch.nonzero(in_k).flatten()
+        at_k[gk, rk] = k_at[in_k]
+        idx_q[gq, rq] = torch.nonzero(in_q).flatten()
+        at_q[gq, rq] = q_at[in_q]
+        # masked: the key lies after the query (padding keys sit at +inf), or the key is padding
+        masked = (at_k[:, None, :] > at_q[:, :, None]) & (at_q[:, :, None] >= 0)
+        masked |= (idx_k < 0)[:, None, :]
+        plan.append((idx_q, idx_k, masked))
+        start = end
+    segments_BS._gspo_segment_plan = (q_pos, plan)
+    return plan

@@ -69,12 +69,42 @@ def _entropy_sum(entropy_BS, batch: MicroBatch) -> torch.Tensor:
     return torch.where(batch.loss_mask_BS.bool(), entropy_BS.detach().double(), 0.0).sum()
 
 
-def _run_model(model, batch: MicroBatch, routing: RoutingPass | None = None):
-    """The chunk's forward of this micro-batch; MoE routing recorded or replayed by `routing`."""
-    positions_BS = torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
+def _run_model(model, batch: MicroBatch, routing: RoutingPass | None = None, attention_mask=None):
+    """The chunk's forward of this micro-batch; MoE routing recorded or replayed by `routing`.
+    Packed rows: `attention_mask` = the rows' segment ids, and the sequences' own positions."""
+    positions_BS = batch.positions_BS if batch.packed else \
+        torch.arange(batch.tokens_BS.shape[1]).expand_as(batch.tokens_BS)
     with routing.forward(model, batch.loss_mask_BS) if routing is not None else contextlib.nullcontext():
         # labels: the logits come back as [S, B, V] (PolicyGPTModel), on the last pipeline stage
-        return model(batch.tokens_BS, positions_BS, None, labels=batch.labels_BS)
+        return model(batch.tokens_BS, positions_BS, attention_mask, labels=batch.labels_BS)
+
+
+def _this_rank(data_iterator, pgs: ProcessGroupCollection):
+    """The next micro-batch's CP part, its attention mask and its sequence count (of the whole
+    micro-batch, which a CP part of packed rows cannot tell). The mask: None (causal), or for packed rows
+    the whole rows' segment ids, which the core attention (parallel/cp_attention.py) turns into
+    per-sequence causal attention."""
+    full = next(data_iterator)
+    cp, cp_rank = group_size(pgs.cp), group_rank(pgs.cp)
+    return full.for_cp_rank(cp, cp_rank), full.segments_BS, full.num_sequences
+
+
+def _sequence_ids(batch: MicroBatch, num_sequences: int):
+    """policy_loss's delimitation of the sequences: row offsets, or (packed) each position's sequence."""
+    rows, seq_len = batch.loss_mask_BS.shape
+    if not batch.packed:
+        return {"cu_seqlens": torch.arange(rows + 1) * seq_len}
+    # padding (-1) is never in the loss mask: any valid index will do
+    return {"cu_seqlens": None, "sequence_ids": batch.segments_BS.flatten().clamp(min=0),
+            "num_sequences": num_sequences}
+
+
+def _per_sequence(values_BS, batch: MicroBatch, num_sequences: int) -> torch.Tensor:
+    """[N] sums of `values_BS` (zero off the loss mask) over each sequence's positions on this rank."""
+    if not batch.packed:
+        return values_BS.sum(1)
+    return values_BS.new_zeros(num_sequences).index_add(0, batch.segments_BS.flatten().clamp(min=0),
+                                                         values_BS.flatten())
 
 
 def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
@@ -94,15 +124,15 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
         raise ValueError(f"num_global_sequences must be >= 1, got {num_global_sequences}")
     scale = num_microbatches * pgs.dp.size() / num_global_sequences
 
-    def loss_func(batch: MicroBatch, logits_SBV):
+    def loss_func(batch: MicroBatch, sequences: int, logits_SBV):
         out = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=with_entropy)
         logprobs_BS, entropy_BS = out if with_entropy else (out, None)
-        rows, seq_len = logprobs_BS.shape
         advantages = batch.advantages.flatten() if batch.advantages.dim() == 2 else batch.advantages
         old_logprobs_BS = logprobs_BS.detach() if on_policy else batch.old_logprobs_BS
+        ids = _sequence_ids(batch, sequences)
         loss_sum, num_sequences, metrics = policy_loss(
             logprobs_BS.flatten(), old_logprobs_BS.flatten(), advantages,
-            batch.loss_mask_BS.flatten(), torch.arange(rows + 1) * seq_len,
+            batch.loss_mask_BS.flatten(), ids.pop("cu_seqlens"), **ids,
             algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
             cp_group=pgs.cp)
         if with_entropy:
@@ -113,8 +143,8 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
         return loss_sum * scale, logs
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
-        return _run_model(model, batch, routing), functools.partial(loss_func, batch)
+        batch, mask, sequences = _this_rank(data_iterator, pgs)
+        return _run_model(model, batch, routing, mask), functools.partial(loss_func, batch, sequences)
 
     return forward_step
 
@@ -123,19 +153,20 @@ def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection
                           routing: RoutingPass | None = None):
     """A forward-only step whose logs hold this rank's per-token log-probs ([B, S/cp], float32) and
     the sum of the entropy over its response tokens (`entropy_token_sum`; nearly free without a backward),
-    also per row (`entropy_row_sum`, `response_tokens_row`: [B], over this CP rank's positions)."""
+    also per sequence (`entropy_seq_sum`, `response_tokens_seq`: [N] in the micro-batch's sequence order,
+    over this CP rank's positions)."""
 
-    def loss_func(batch: MicroBatch, logits_SBV):
+    def loss_func(batch: MicroBatch, sequences: int, logits_SBV):
         logprobs_BS, entropy_BS = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=True)
         mask_BS = batch.loss_mask_BS.bool()
-        entropy_B = torch.where(mask_BS, entropy_BS.detach().double(), 0.0).sum(1)
-        tokens_B = mask_BS.sum(1).double()
+        entropy_N = _per_sequence(torch.where(mask_BS, entropy_BS.detach().double(), 0.0), batch, sequences)
+        tokens_N = _per_sequence(mask_BS.double(), batch, sequences)
         return logits_SBV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
-                                          "entropy_token_sum": entropy_B.sum(), "response_tokens": tokens_B.sum(),
-                                          "entropy_row_sum": entropy_B, "response_tokens_row": tokens_B}
+                                          "entropy_token_sum": entropy_N.sum(), "response_tokens": tokens_N.sum(),
+                                          "entropy_seq_sum": entropy_N, "response_tokens_seq": tokens_N}
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator).for_cp_rank(group_size(pgs.cp), group_rank(pgs.cp))
-        return _run_model(model, batch, routing), functools.partial(loss_func, batch)
+        batch, mask, sequences = _this_rank(data_iterator, pgs)
+        return _run_model(model, batch, routing, mask), functools.partial(loss_func, batch, sequences)
 
     return forward_step

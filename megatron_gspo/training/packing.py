@@ -29,6 +29,21 @@ The split rule (all ranks compute it identically, no communication):
 4. `uniform=True` (pipeline parallelism: stages exchange activations of one fixed shape) makes every
    micro-batch the same [R/D/M, S_max]: M is the smallest divisor of R/D whose rows fit the budget.
 The gradient does not depend on the split (forward_step.py's loss contract); only speed does.
+
+Packed rows (`pack_sequences=True`, config `parallel.pack_sequences`): a row holds several responses
+one after the other, each attending causally to itself only (types.MicroBatch.segments_BS; the core
+attention runs sequence by sequence, parallel/cp_attention.py) and each at its own positions 0, 1, ...
+(positions_BS: its rotary angles are those of a row of its own; model/packed_rows.py). Rule 2 then fills rows first-fit-decreasing up to the mini-batch's longest padded
+response (so no row is longer, nor its attention wider, than without packing) and cuts the rows into
+micro-batches by the budget; rule 3 splits rows as well as micro-batches when a rank needs more of them.
+A micro-batch whose rows ended up with one response each stays an unpacked one. Only a row's end is
+padded:
+
+    position        0    1    2    3    4    5    6    7
+    tokens_BS       a0   a1   a2   b0   b1   b2   0    0        response a: prompt a0, answer a1 a2
+    segments_BS     0    0    0    1    1    1   -1   -1        response b: prompt b0 b1, answer b2
+    positions_BS    0    1    2    0    1    2    3    4
+    loss_mask_BS    1    1    0    0    1    0    0    0
 """
 from __future__ import annotations
 
@@ -70,7 +85,10 @@ class PackedMiniBatch:
 
     micro_batches: list[MicroBatch]
     rows: list[list[int]]
-    """For each micro-batch, the mini-batch index of the response in each row."""
+    """For each micro-batch, the mini-batch index of each of its responses, in its sequence order (one per
+    row, in row order, unless rows are packed)."""
+    places: list[list[tuple[int, int]]] = field(default_factory=list)
+    """For each micro-batch, where each response of `rows` lies: (row, first position)."""
     rollout_logprobs: list[torch.Tensor] = field(default_factory=list)
     """Per micro-batch [B, S] rollout log-probs aligned like old_logprobs_BS (empty if not given)."""
     num_global_sequences: int = 0
@@ -148,6 +166,56 @@ def _uniform_count(per_rank: int, rows_that_fit: int) -> int:
     return next(m for m in range(1, per_rank + 1) if per_rank % m == 0 and per_rank // m <= rows_that_fit)
 
 
+def _fill_rows(order: list[int], lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Packed rule 2: first-fit-decreasing of `order` (longest first) into rows of `capacity` tokens."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in order:
+        r = next((r for r in range(len(rows)) if fill[r] + lengths[i] <= capacity), None)
+        if r is None:
+            rows.append([])
+            fill.append(0)
+            r = len(rows) - 1
+        rows[r].append(i)
+        fill[r] += lengths[i]
+    return rows
+
+
+def _split_packed_to(chunks: list[list[list[int]]], count: int) -> list[list[list[int]]]:
+    """Packed rule 3: split the micro-batch with the most rows in two (or, holding one row, that row's
+    responses) until there are `count`."""
+    chunks = [list(c) for c in chunks]
+    while len(chunks) < count:
+        i = max(range(len(chunks)), key=lambda k: (len(chunks[k]), sum(map(len, chunks[k])), -k))
+        chunk = chunks[i]
+        if len(chunk) > 1:
+            half = (len(chunk) + 1) // 2
+            chunks[i:i + 1] = [chunk[:half], chunk[half:]]
+        else:
+            (row,) = chunk
+            half = (len(row) + 1) // 2
+            chunks[i:i + 1] = [[row[:half]], [row[half:]]]
+    return chunks
+
+
+def plan_packed_rows(lengths: Sequence[int], *, dp_size: int, max_tokens: int,
+                     pad_multiple: int = 1) -> list[list[list[list[int]]]]:
+    """Rules 1-3 with packed rows: for each DP rank, its micro-batches, each a list of rows, each row the
+    response indices it holds in order. `lengths` are the real (unpadded) prompt + response lengths."""
+    padded = [padded_length(n, pad_multiple) for n in lengths]
+    capacity = max(padded)
+    ranks = assign_to_dp(padded, dp_size)
+    chunked = []
+    for rank in ranks:
+        rows = _fill_rows(rank, lengths, capacity)
+        row_len = [padded_length(sum(lengths[i] for i in row), pad_multiple) for row in rows]
+        order = sorted(range(len(rows)), key=lambda r: (-row_len[r], r))
+        cuts = _chunks_by_budget(order, row_len, max_tokens)
+        chunked.append([[rows[r] for r in cut] for cut in cuts])
+    count = max(len(c) for c in chunked)
+    return [_split_packed_to(c, count) for c in chunked]
+
+
 def plan_microbatches(lengths: Sequence[int], *, dp_size: int, max_tokens: int,
                       uniform: bool = False) -> list[list[list[int]]]:
     """Rules 1-4: for each DP rank, its micro-batches as lists of response indices.
@@ -165,76 +233,120 @@ def plan_microbatches(lengths: Sequence[int], *, dp_size: int, max_tokens: int,
     return [_split_to(c, count) for c in chunked]
 
 
-def routing_rows(responses: Sequence[Trainable], length: int) -> torch.Tensor:
+def routing_rows(responses: Sequence[Trainable], length: int,
+                 places: Sequence[tuple[int, int]] | None = None, num_rows: int | None = None) -> torch.Tensor:
     """[B, length, L, k] rollout routing of `responses` (each `routed_experts` [P + R - 1, L, k]) on the
-    rows' input positions; positions without one (padding, the last response token) route to 0..k-1."""
+    rows' input positions; positions without one (padding, the last response token) route to 0..k-1.
+    `places`: (row, first position) of each response (packed rows); default one response per row."""
+    places = list(places) if places is not None else [(b, 0) for b in range(len(responses))]
     arrays = [torch.as_tensor(getattr(r, "routed_experts")) for r in responses]
     shape = arrays[0].shape[1:]
     if len(shape) != 2:
         raise ValueError(f"routed_experts must be [positions, layers, k], got shape {tuple(arrays[0].shape)}")
-    out = torch.arange(shape[1], dtype=arrays[0].dtype).expand(len(responses), length, *shape).clone()
-    for b, (r, ids) in enumerate(zip(responses, arrays)):
+    B = num_rows if num_rows is not None else len(responses)
+    out = torch.arange(shape[1], dtype=arrays[0].dtype).expand(B, length, *shape).clone()
+    for b, (r, ids, (row, start)) in enumerate(zip(responses, arrays, places)):
         expected = len(r.prompt_ids) + len(r.response_ids) - 1
         if ids.shape != (expected, *shape):
             raise ValueError(f"response {b}: routed_experts of shape {tuple(ids.shape)}, expected "
                              f"({expected}, {shape[0]}, {shape[1]}) for {len(r.prompt_ids)} prompt and "
                              f"{len(r.response_ids)} response tokens")
-        out[b, :expected] = ids
+        out[row, start:start + expected] = ids
     return out
 
 
-def _rows(responses: Sequence[Trainable], length: int):
-    """[B, length] tensors of a list of responses, aligned as in the module docstring."""
-    B = len(responses)
+def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
+    """[B, length] tensors of the responses of each row (one per row unless `packed`), aligned as in the
+    module docstring, and each response's (row, first position), in row-major order."""
+    B = len(rows)
+    responses = [r for row in rows for r in row]
     tokens = torch.zeros(B, length, dtype=torch.long)
     labels = torch.zeros(B, length, dtype=torch.long)
     mask = torch.zeros(B, length)
     rollout = torch.zeros(B, length)
+    segments = torch.full((B, length), -1, dtype=torch.long) if packed else None
+    positions = torch.zeros(B, length, dtype=torch.long) if packed else None
     per_token = [not isinstance(r.advantage, (int, float)) for r in responses]
     if any(per_token) and not all(per_token):
         raise ValueError("a mini-batch mixes per-sequence and per-token advantages")
-    advantages = torch.zeros(B, length) if all(per_token) else torch.zeros(B)
-    for b, r in enumerate(responses):
-        P, R = len(r.prompt_ids), len(r.response_ids)
-        row = torch.as_tensor(list(r.prompt_ids) + list(r.response_ids), dtype=torch.long)
-        tokens[b, :P + R] = row
-        labels[b, :P + R - 1] = row[1:]
-        targets = slice(P - 1, P + R - 1)          # positions whose label is a response token
-        mask[b, targets] = 1.0
-        if r.rollout_logprobs is not None:
-            rollout[b, targets] = torch.as_tensor(list(r.rollout_logprobs), dtype=torch.float32)
-        if per_token[0]:
-            advantages[b, targets] = torch.as_tensor(list(r.advantage), dtype=torch.float32)
-        else:
-            advantages[b] = float(r.advantage)
-    return tokens, labels, mask, rollout, advantages
+    advantages = torch.zeros(B, length) if all(per_token) else torch.zeros(len(responses))
+    places = []
+    for b, row in enumerate(rows):
+        start = 0
+        for r in row:
+            n = len(places)
+            places.append((b, start))
+            P, R = len(r.prompt_ids), len(r.response_ids)
+            span = slice(start, start + P + R)
+            ids = torch.as_tensor(list(r.prompt_ids) + list(r.response_ids), dtype=torch.long)
+            tokens[b, span] = ids
+            labels[b, start:start + P + R - 1] = ids[1:]
+            targets = slice(start + P - 1, start + P + R - 1)   # positions whose label is a response token
+            mask[b, targets] = 1.0
+            if r.rollout_logprobs is not None:
+                rollout[b, targets] = torch.as_tensor(list(r.rollout_logprobs), dtype=torch.float32)
+            if per_token[0]:
+                advantages[b, targets] = torch.as_tensor(list(r.advantage), dtype=torch.float32)
+            else:
+                advantages[n] = float(r.advantage)
+            if packed:
+                segments[b, span] = n
+                positions[b, span] = torch.arange(P + R)
+            start += P + R
+        if packed and start < length:  # padding: its own segment (-1); positions go on from the last response's
+            last = places[-1][1]
+            positions[b, start:] = torch.arange(start - last, length - last)
+    return tokens, labels, mask, rollout, advantages, segments, positions, places
 
 
 def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int, max_tokens: int,
-                   pad_multiple: int = 2, uniform: bool = False) -> PackedMiniBatch:
+                   pad_multiple: int = 2, uniform: bool = False, pack_sequences: bool = False,
+                   min_microbatches: int = 1) -> PackedMiniBatch:
     """This DP rank's micro-batches of `responses` (the whole mini-batch, the same list on every rank).
 
     old_logprobs_BS holds the rollout log-probs (zeros where none were given: recompute them).
+    `pack_sequences`: several responses per row (module docstring); not with `uniform` (pipeline
+    parallelism), whose stages exchange activations of one fixed shape. `min_microbatches`: split
+    (rule 3) until there are at least that many (at most one per response); not with `uniform`.
     """
     if not responses:
         raise ValueError("an empty mini-batch")
+    if pack_sequences and uniform:
+        raise ValueError("packed rows (parallel.pack_sequences) are not supported with pipeline parallelism")
     _check(responses)
-    lengths = [padded_length(len(r.prompt_ids) + len(r.response_ids), pad_multiple) for r in responses]
-    plans = plan_microbatches(lengths, dp_size=dp_size, max_tokens=max_tokens, uniform=uniform)
-    plan = plans[dp_rank]
+    real_lengths = [len(r.prompt_ids) + len(r.response_ids) for r in responses]
+    lengths = [padded_length(n, pad_multiple) for n in real_lengths]
+    if pack_sequences:
+        plans = plan_packed_rows(real_lengths, dp_size=dp_size, max_tokens=max_tokens, pad_multiple=pad_multiple)
+        row_length = lambda row: padded_length(sum(real_lengths[i] for i in row), pad_multiple)  # noqa: E731
+    else:
+        plans = [[[[i] for i in mb] for mb in p]
+                 for p in plan_microbatches(lengths, dp_size=dp_size, max_tokens=max_tokens, uniform=uniform)]
+        row_length = lambda row: lengths[row[0]]  # noqa: E731
+    if min_microbatches > 1:
+        if uniform:
+            raise ValueError("min_microbatches is not supported with uniform micro-batches")
+        responses_per_rank = min(sum(len(row) for mb in p for row in mb) for p in plans)
+        count = min(max(min_microbatches, max(len(p) for p in plans)), responses_per_rank)
+        plans = [_split_packed_to(p, count) for p in plans]
     full = max(lengths)
-    positions = sum(len(mb) * (full if uniform else max(lengths[i] for i in mb)) for p in plans for mb in p)
-    real = sum(len(r.prompt_ids) + len(r.response_ids) for r in responses)
-    packed = PackedMiniBatch(micro_batches=[], rows=plan, num_global_sequences=len(responses),
-                             padding_fraction=1.0 - real / positions)
+    mb_length = lambda mb: full if uniform else max(row_length(row) for row in mb)  # noqa: E731
+    positions = sum(len(mb) * mb_length(mb) for p in plans for mb in p)
+    packed = PackedMiniBatch(micro_batches=[], rows=[[i for row in mb for i in row] for mb in plans[dp_rank]],
+                             num_global_sequences=len(responses), padding_fraction=1.0 - sum(real_lengths) / positions)
     have_rollout = all(r.rollout_logprobs is not None for r in responses)
     have_routing = all(getattr(r, "routed_experts", None) is not None for r in responses)
-    for indices in plan:
-        length = full if uniform else max(lengths[i] for i in indices)
-        rows = [responses[i] for i in indices]
-        tokens, labels, mask, rollout, advantages = _rows(rows, length)
-        routing = routing_rows(rows, length) if have_routing else None
-        packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages, routing))
+    for mb in plans[dp_rank]:
+        length = mb_length(mb)
+        rows = [[responses[i] for i in row] for row in mb]
+        # a micro-batch whose rows hold one response each is an unpacked one (plain causal attention)
+        shared = pack_sequences and any(len(row) > 1 for row in rows)
+        tokens, labels, mask, rollout, advantages, segments, positions_BS, places = _rows(rows, length, shared)
+        flat = [r for row in rows for r in row]
+        routing = routing_rows(flat, length, places, len(rows)) if have_routing else None
+        packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages, routing,
+                                               segments_BS=segments, positions_BS=positions_BS))
+        packed.places.append(places)
         if have_rollout:
             packed.rollout_logprobs.append(rollout)
     return packed

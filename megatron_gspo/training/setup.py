@@ -42,6 +42,9 @@ def model_shape(config: TrainConfig) -> Qwen3Shape:
 def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:
     """The model (randomly initialised from config.seed) with its optimizer and lr schedule."""
     shape = model_shape(config)
+    if config.parallel.pack_sequences and torch.cuda.is_available():
+        raise ValueError("parallel.pack_sequences=true needs the local attention spec (CPU): on GPU the model "
+                         "uses Transformer Engine attention, whose packed format (THD) is not wired here")
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
     manual_seed(config.seed, pgs)
     model = build_model(shape, transformer_config(shape, config.parallel, params_dtype=dtype,
@@ -60,4 +63,5 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
                           temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
         num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
         max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch, routing_replay=gspo.routing_replay,
+        pack_sequences=config.parallel.pack_sequences,
         recompute=gspo.recompute)

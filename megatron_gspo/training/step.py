@@ -64,6 +64,8 @@ class StepSettings:
     """MoE Routing Replay: off, old (pi_old's recorded routing; R2), rollout (the sampler's; R3)."""
     recompute: Literal["fused", "per_minibatch"] = "fused"
     """How old_logprobs="recompute" runs (module docstring, 2.); MoE with routing: per_minibatch."""
+    pack_sequences: bool = False
+    """Several responses per row (training/packing.py), each attending only to itself: less padding."""
 
 
 def split_minibatches(responses: Sequence[Trainable], k: int) -> list[Sequence[Trainable]]:
@@ -96,7 +98,7 @@ def train_on_batch(model: list, optimizer, responses: Sequence[Trainable], setti
     _check_routing(settings, routing, responses)
     minis = split_minibatches(responses, settings.num_minibatches)
     with profiling.span("train/pack"):
-        packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch) for mini in minis]
+        packed = [_pack(mini, pgs, settings.max_tokens_per_microbatch, settings.pack_sequences) for mini in minis]
     # pi_old's routing of each mini-batch (per micro-batch, chunk, router), when known.
     references: list[list | None] = [None] * len(packed)
     if routing is not None and settings.routing_replay == "rollout":
@@ -184,10 +186,12 @@ def _routing_metrics(routing_pass: RoutingPass, pgs: ProcessGroupCollection, nam
     return out
 
 
-def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_tokens: int) -> PackedMiniBatch:
+def _pack(responses: Sequence[Trainable], pgs: ProcessGroupCollection, max_tokens: int,
+          pack_sequences: bool = False) -> PackedMiniBatch:
     """This DP rank's share of `responses` in micro-batches (equal ones under PP: uniform shapes)."""
     return pack_minibatch(responses, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=max_tokens,
-                          pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1)
+                          pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1,
+                          pack_sequences=pack_sequences)
 
 
 @torch.no_grad()
@@ -225,7 +229,8 @@ def _old_logprob_metrics(minis: Sequence[PackedMiniBatch], logprobs: Sequence[li
         for i, (mb, logprobs_BS) in enumerate(zip(mini.micro_batches, mini_logprobs)):
             mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
             if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
-                sums[k, :5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS)
+                sums[k, :5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS,
+                                         mb.segments_BS)
         if entropy[k] is not None:
             sums[k, 5:] += entropy[k]
     dist.all_reduce(sums, group=pgs.dp_cp)
@@ -251,43 +256,58 @@ def _recompute_fused(model, packed: Sequence[PackedMiniBatch], minis: Sequence[S
     PP the merged micro-batches are uniform, as the schedule needs."""
     if not packed:
         return []
-    places, rows = [], []   # (mini-batch, micro-batch, row) of each of this rank's rows, and its response
+    homes, rows = [], []   # (mini-batch, micro-batch, (row, start)) of each of this rank's responses, and it
     for k, mini in enumerate(packed):
-        for j, indices in enumerate(mini.rows):
-            for b, i in enumerate(indices):
-                places.append((k, j, b))
+        for j, (indices, places) in enumerate(zip(mini.rows, mini.places)):
+            for i, place in zip(indices, places):
+                homes.append((k, j, place))
                 rows.append(minis[k][i])
-    merged = pack_minibatch(rows, dp_size=1, dp_rank=0, max_tokens=settings.max_tokens_per_microbatch,
-                            pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1)
+    pack = dict(dp_size=1, dp_rank=0, max_tokens=settings.max_tokens_per_microbatch,
+                pad_multiple=sequence_pad_multiple(pgs), uniform=pgs.pp.size() > 1,
+                pack_sequences=settings.pack_sequences)
+    merged = pack_minibatch(rows, **pack)
+    if pgs.ep.size() > 1 and pgs.dp.size() > 1 and pgs.pp.size() == 1:
+        # Each DP rank re-packs its own rows, but the experts' all-to-all spans DP ranks: every rank must
+        # run as many micro-batches as the one with the most.
+        count = torch.tensor(merged.num_microbatches)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pgs.dp)
+        if int(count) > merged.num_microbatches:
+            merged = pack_minibatch(rows, **pack, min_microbatches=int(count))
     with profiling.span("train/recompute/forward"):
         outputs = run_schedule(model, merged, logprobs_forward_step(settings.loss, pgs=pgs), pgs=pgs,
                                forward_only=True)
     with profiling.span("train/recompute/metrics"):
         if not is_pp_last_stage(pgs.pp):
             return _old_logprob_metrics(packed, [[] for _ in packed], [None] * len(packed), pgs)
-        # Scatter the merged rows back as whole rows (a row's CP split depends on its padded length).
+        # Scatter each response's positions back, gathered over CP (a row's CP split depends on its length).
         logprobs = [[torch.zeros(mb.tokens_BS.shape) for mb in mini.micro_batches] for mini in packed]
         entropy = torch.zeros(len(packed), 2, dtype=torch.float64)
-        for indices, out in zip(merged.rows, outputs):
+        for indices, places, out in zip(merged.rows, merged.places, outputs):
             full_BS = gather_from_cp(out["logprobs"], pgs.cp)
-            for b, l in enumerate(indices):
-                k, j, row = places[l]
-                target = logprobs[k][j]
-                width = min(target.shape[1], full_BS.shape[1])  # beyond both: padding
-                target[row, :width] = full_BS[b, :width]
-                entropy[k] += torch.stack([out["entropy_row_sum"][b], out["response_tokens_row"][b]])
+            for q, (l, (row, start)) in enumerate(zip(indices, places)):
+                k, j, (home_row, home_start) = homes[l]
+                n = len(rows[l].prompt_ids) + len(rows[l].response_ids)
+                logprobs[k][j][home_row, home_start:home_start + n] = full_BS[row, start:start + n]
+                entropy[k] += torch.stack([out["entropy_seq_sum"][q], out["response_tokens_seq"][q]])
         return _old_logprob_metrics(packed, logprobs, list(entropy), pgs)
 
 
-def _gap_sums(train_BS, rollout_BS, mask_BS) -> torch.Tensor:
-    """Sums for the mean |train - rollout| log-prob per token and per sequence (mean over its tokens)."""
+def _gap_sums(train_BS, rollout_BS, mask_BS, segments_BS=None) -> torch.Tensor:
+    """Sums for the mean |train - rollout| log-prob per token and per sequence (mean over its tokens).
+    Sequences: rows, or (packed rows) the segments of `segments_BS`."""
     delta_BS = (train_BS.double() - rollout_BS.double())
     finite_BS = mask_BS.bool() & torch.isfinite(delta_BS)
     delta_BS = torch.where(finite_BS, delta_BS, 0.0)
-    count_B = finite_BS.sum(1)
-    has = count_B > 0
-    seq_B = delta_BS.sum(1).abs() / count_B.clamp(min=1)
-    return torch.stack([delta_BS.abs().sum(), count_B.sum().double(), seq_B[has].sum(),
+    if segments_BS is None:
+        count_N, delta_N = finite_BS.sum(1), delta_BS.sum(1)
+    else:
+        ids = segments_BS.flatten().clamp(min=0)  # padding is never finite_BS
+        n = int(segments_BS.max()) + 1
+        count_N = torch.zeros(n, dtype=torch.long).index_add(0, ids, finite_BS.flatten().long())
+        delta_N = torch.zeros(n, dtype=torch.float64).index_add(0, ids, delta_BS.flatten())
+    has = count_N > 0
+    seq_N = delta_N.abs() / count_N.clamp(min=1)
+    return torch.stack([delta_BS.abs().sum(), count_N.sum().double(), seq_N[has].sum(),
                         has.sum().double(), (mask_BS.bool() & ~finite_BS).sum().double()])
 
 
@@ -342,19 +362,20 @@ def _from_last_stage(values: dict, pgs: ProcessGroupCollection) -> dict:
 
 @torch.no_grad()
 def compute_logprobs(model: list, responses: Sequence[Trainable], loss: LossSettings, *,
-                     pgs: ProcessGroupCollection, max_tokens_per_microbatch: int = 8192) -> list[list[float]]:
+                     pgs: ProcessGroupCollection, max_tokens_per_microbatch: int = 8192,
+                     pack_sequences: bool = False) -> list[list[float]]:
     """The current policy's log-prob of every response token (float32), for all responses on every rank.
 
     Data-parallel ranks each compute their share; the results are exchanged with all_gather_object.
     """
-    mini = _pack(responses, pgs, max_tokens_per_microbatch)
+    mini = _pack(responses, pgs, max_tokens_per_microbatch, pack_sequences)
     outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs), pgs=pgs, forward_only=True)
     mine: dict[int, list[float]] = {}
     if is_pp_last_stage(pgs.pp):
-        for rows, out in zip(mini.rows, outputs):
+        for rows, places, out in zip(mini.rows, mini.places, outputs):
             logprobs_BS = gather_from_cp(out["logprobs"], pgs.cp)
-            for b, i in enumerate(rows):
-                start = len(responses[i].prompt_ids) - 1
+            for i, (b, row_start) in zip(rows, places):
+                start = row_start + len(responses[i].prompt_ids) - 1
                 mine[i] = logprobs_BS[b, start:start + len(responses[i].response_ids)].float().tolist()
         parts: list = [None] * pgs.dp.size()
         dist.all_gather_object(parts, mine, group=pgs.dp)

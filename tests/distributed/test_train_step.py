@@ -1,7 +1,7 @@
 """train_on_batch on two gloo processes (tests/distributed/workers/train_step.py has the checks):
 the gradient does not depend on the micro-batch split, mini-batch 1 after a recompute has s == 1
 exactly and clips nothing, an injected train-vs-rollout gap is measured, the loss falls, and the
-fused recompute trains like the per-mini-batch one."""
+fused recompute trains like the per-mini-batch one, and packed rows train like one response per row."""
 from pathlib import Path
 
 import pytest
@@ -25,5 +25,5 @@ LAYOUTS = {
     "dp2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("tp2", "pp2", "cp2", "ep2_moe"))])
 def test_train_on_batch(name):
     # microbatch invariance, on-policy first mini-batch, train-rollout gap, loss decreases, entropy,
-    # fused recompute = per-mini-batch recompute
-    run_checks(WORKER, 2, *LAYOUTS[name], checks=6, timeout=240)
+    # fused recompute = per-mini-batch recompute, packed rows = one response per row
+    run_checks(WORKER, 2, *LAYOUTS[name], checks=7, timeout=240)

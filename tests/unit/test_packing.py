@@ -132,3 +132,85 @@ def test_padding_fraction_counts_every_rank_s_micro_batches():
     assert pack_minibatch([a, b], dp_size=1, dp_rank=0, max_tokens=64).padding_fraction == 1 - 12 / 16
     # two DP ranks, one row each at its own length: no padding at all, whichever rank asks
     assert pack_minibatch([a, b], dp_size=2, dp_rank=1, max_tokens=64).padding_fraction == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed rows (pack_sequences=True)
+# ---------------------------------------------------------------------------------------------------
+
+def test_packed_row_alignment_by_hand():
+    # The module docstring's example: a = [a0 | a1 a2], b = [b0 b1 | b2], padded to 8.
+    a = Response([11], [12, 13], advantage=0.5, rollout_logprobs=[-0.1, -0.2])
+    b = Response([21, 22], [23], advantage=-1.0, rollout_logprobs=[-0.3])
+    packed = pack_minibatch([a, b], dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=8, pack_sequences=True)
+    (mb,) = packed.micro_batches
+    assert mb.tokens_BS.tolist() == [[11, 12, 13, 21, 22, 23, 0, 0]]
+    assert mb.segments_BS.tolist() == [[0, 0, 0, 1, 1, 1, -1, -1]]
+    assert mb.positions_BS.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert mb.loss_mask_BS.tolist() == [[1, 1, 0, 0, 1, 0, 0, 0]]
+    # a label never crosses into the next sequence where the mask is on
+    assert mb.labels_BS[mb.loss_mask_BS.bool()].tolist() == [12, 13, 23]
+    assert torch.equal(mb.old_logprobs_BS, torch.tensor([[-0.1, -0.2, 0, 0, -0.3, 0, 0, 0]]))
+    assert mb.advantages.tolist() == [0.5, -1.0] and mb.num_sequences == 2
+    assert packed.rows == [[0, 1]] and packed.places == [[(0, 0), (0, 3)]]
+    assert packed.padding_fraction == 1 - 6 / 8
+
+
+def test_unpacked_places_are_one_response_per_row():
+    responses = [Response([1] * n, [2], 1.0) for n in (3, 5, 2)]
+    packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2)
+    assert not packed.micro_batches[0].packed
+    for rows, places in zip(packed.rows, packed.places):
+        assert places == [(b, 0) for b in range(len(rows))]
+
+
+def long_tailed(n: int, seed: int) -> list[Response]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.distributions.LogNormal(3.0, 0.9).sample((n,)).clamp(1, 400).long().tolist()
+    prompts = torch.randint(4, 30, (n,), generator=g).tolist()
+    return [Response([7] * p, [9] * r, float(i % 3 - 1)) for i, (p, r) in enumerate(zip(prompts, lengths))]
+
+
+@pytest.mark.parametrize("dp_size, max_tokens, pad", [(1, 512, 2), (2, 1024, 4), (4, 300, 8), (3, 4096, 2)])
+def test_packed_plan_invariants(dp_size, max_tokens, pad):
+    responses = long_tailed(48, seed=dp_size)
+    lengths = [len(r.prompt_ids) + len(r.response_ids) for r in responses]
+    capacity = max(padded_length(n, pad) for n in lengths)
+    per_rank = [pack_minibatch(responses, dp_size=dp_size, dp_rank=k, max_tokens=max_tokens, pad_multiple=pad,
+                               pack_sequences=True) for k in range(dp_size)]
+    seen = sorted(i for p in per_rank for rows in p.rows for i in rows)
+    assert seen == list(range(len(responses)))                                 # each response exactly once
+    assert len({p.num_microbatches for p in per_rank}) == 1                    # equal counts over DP
+    assert len({len([i for rows in p.rows for i in rows]) for p in per_rank}) == 1  # equal responses per rank
+    for p in per_rank:
+        for mb, rows, places in zip(p.micro_batches, p.rows, p.places):
+            B, S = mb.tokens_BS.shape
+            assert S % pad == 0 and S <= capacity                               # no row longer than unpacked's
+            assert B == 1 or B * S <= max_tokens                                # the budget
+            assert mb.packed == (len(rows) > B)         # one response per row: a plain micro-batch
+            for q, (i, (row, start)) in enumerate(zip(rows, places)):
+                n = lengths[i]
+                assert mb.tokens_BS[row, start:start + n].tolist() == responses[i].prompt_ids + responses[i].response_ids
+                if mb.packed:
+                    assert (mb.segments_BS[row, start:start + n] == q).all()
+                    assert mb.positions_BS[row, start:start + n].tolist() == list(range(n))
+                else:
+                    assert start == 0 and row == q
+                assert mb.advantages[q] == responses[i].advantage
+            assert int(mb.loss_mask_BS.sum()) == sum(len(responses[i].response_ids) for i in rows)
+    unpacked = pack_minibatch(responses, dp_size=dp_size, dp_rank=0, max_tokens=max_tokens, pad_multiple=pad)
+    assert per_rank[0].padding_fraction < unpacked.padding_fraction
+
+
+def test_packed_plan_splits_a_row_when_more_micro_batches_are_needed():
+    # One 24-token response sets the row length; four 6-token ones share the second row.
+    responses = [Response([1] * 12, [2] * 12, 1.0)] + [Response([1] * 3, [2] * 3, 1.0) for _ in range(4)]
+    packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, pack_sequences=True)
+    assert packed.rows == [[0, 1, 2, 3, 4]] and packed.places == [[(0, 0), (1, 0), (1, 6), (1, 12), (1, 18)]]
+    # three micro-batches: the two rows apart, then the row of four split in two
+    split = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, pack_sequences=True,
+                           min_microbatches=3)
+    assert split.rows == [[0], [1, 2], [3, 4]]
+    assert [mb.tokens_BS.shape for mb in split.micro_batches] == [(1, 24), (1, 12), (1, 12)]
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, uniform=True, pack_sequences=True)

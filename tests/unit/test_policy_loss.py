@@ -550,3 +550,37 @@ def test_reduce_metrics_over_micro_batches_equals_one_batch():
     whole = policy_loss(logp, old, adv, mask, cu, **kw)[2]
     ab = summarize_metrics(reduce_metrics([mb_a, mb_b]))
     assert ab == pytest.approx(summarize_metrics(whole), rel=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "gspo_token", "grpo"])
+def test_sequence_ids_in_any_order_equal_cu_seqlens(algorithm):
+    """Packed rows under CP hold each sequence in two separate chunks: sequence_ids (any token order)
+    give the loss, gradient and metrics of the same tokens delimited by cu_seqlens."""
+    logp, old, adv, mask, cu, _ = gspo_batch()
+    ref_loss, ref_grad, _, ref_n, ref_metrics = run_loss(logp, old, adv, mask, cu, algorithm=algorithm)
+    seq_T = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+    perm = torch.randperm(logp.shape[0], generator=torch.Generator().manual_seed(3))
+    x = logp[perm].clone().requires_grad_(True)
+    loss_sum, n, metrics = policy_loss(x, old[perm], adv, mask[perm], None, sequence_ids=seq_T[perm],
+                                       num_sequences=len(cu) - 1, algorithm=algorithm)
+    loss = loss_sum / n
+    loss.backward()
+    assert n == ref_n
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x.grad[torch.argsort(perm)], ref_grad, rtol=1e-6, atol=1e-8)
+    for key in ref_metrics:
+        # sums of float32 terms in another order: 1e-6 absolute
+        torch.testing.assert_close(metrics[key].double(), ref_metrics[key].double(), rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_ids_are_validated():
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match="exactly one of cu_seqlens and sequence_ids"):
+        policy_loss(x, x, torch.zeros(2), torch.ones(4), [0, 2, 4], sequence_ids=torch.tensor([0, 0, 1, 1]),
+                    num_sequences=2)
+    with pytest.raises(ValueError, match=r"sequence_ids must lie in \[0, num_sequences=2\)"):
+        policy_loss(x, x, torch.zeros(2), torch.ones(4), None, sequence_ids=torch.tensor([0, 0, 2, 1]),
+                    num_sequences=2)
+    with pytest.raises(ValueError, match=r"sequence_ids must be \[4\] integers"):
+        policy_loss(x, x, torch.zeros(2), torch.ones(4), None, sequence_ids=torch.tensor([0.0, 0, 1, 1]),
+                    num_sequences=2)

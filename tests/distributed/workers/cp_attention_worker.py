@@ -9,6 +9,8 @@ sequence:
   3. a tiny GPTModel built from `local_layer_spec()` at cp=world == the same weights at cp=1:
      rotary table slice, logits, and parameter gradients (summed over CP ranks), in float32.
   4. clear errors for what the module refuses.
+  5. packed rows (integer segment ids as the mask) at cp=1 and cp=world == the full-sequence reference
+     under the block-diagonal causal mask (model/packed_rows.py:packed_attention_mask), float64.
 Exits non-zero on the first failure.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention 
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from megatron_gspo.model.packed_rows import packed_attention_mask  # noqa: E402
 from megatron_gspo.model.spec import local_layer_spec  # noqa: E402
 from megatron_gspo.parallel.context_parallel import gather_from_cp, split_for_cp  # noqa: E402
 from megatron_gspo.parallel.cp_attention import ContextParallelDotProductAttention  # noqa: E402
@@ -132,6 +135,31 @@ def check_attention_alone(cp_group, n_heads, n_groups, with_padding):
             assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")
 
 
+PACKED_SEGMENTS = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, -1, -1],
+                                [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3]])
+
+
+def check_packed_rows(group, name):
+    """Packed rows (integer segment ids as the mask: the varlen path) == the full-sequence reference
+    under the block-diagonal causal mask, values and q/k/v gradients, GQA, on `group`'s CP layout."""
+    cp_size, cp_rank = group.size(), group.rank()
+    module = ContextParallelDotProductAttention(
+        attention_config(4, 2, cp_size), layer_number=1, attn_mask_type=AttnMaskType.causal,
+        attention_type="self", pg_collection=ProcessGroupCollection(
+            tp=parallel_state.get_tensor_model_parallel_group(), cp=group))
+    q, k, v, upstream = random_qkv(4, 2, torch.float64, seed=9)
+    local = [split_for_cp(t, cp_size, cp_rank, seq_dim=0) for t in (q, k, v, upstream)]
+    got = [gather_from_cp(t, group, seq_dim=0) if cp_size > 1 else t
+           for t in forward_backward(module, *local, PACKED_SEGMENTS.clone())]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*leaves, packed_attention_mask(PACKED_SEGMENTS))
+    (ref_out * upstream).sum().backward()
+    want = [ref_out.detach(), *(t.grad for t in leaves)]
+    with check(f"packed rows (segment ids) match the block-diagonal reference, {name}"):
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"packed {name} {what}: {m}")
+
+
 def tiny_gpt(config: TransformerConfig, pg_collection=None) -> GPTModel:
     return GPTModel(config, local_layer_spec(), vocab_size=256, max_sequence_length=SEQ,
                     position_embedding_type="rope", pg_collection=pg_collection)
@@ -223,6 +251,8 @@ def main():
     for n_groups in (4, 2):
         check_attention_alone(cp_group, n_heads=4, n_groups=n_groups, with_padding=False)
     check_attention_alone(cp_group, n_heads=4, n_groups=2, with_padding=True)
+    check_packed_rows(solo_cp_group, "cp=1")
+    check_packed_rows(cp_group, f"cp={world}")
     check_gpt_model(cp_group, solo_cp_group)
     check_refusals(world)
 

@@ -3,7 +3,7 @@
 usage: torchrun --nproc-per-node 2 train_step.py TP PP EP MODEL [CP]
 e.g. `1 1 1 dense` (data parallel over 2 ranks), `2 1 1 dense`, `1 2 1 dense`, `1 1 1 dense 2`, `1 1 2 moe` (tiny
 Qwen3-MoE, experts over 2 ranks). Five checks, in order, on one model: each trains it further; a sixth
-(fused vs per-mini-batch recompute) on two fresh ones.
+(fused vs per-mini-batch recompute) and a seventh (packed rows vs one response per row) on fresh ones.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import torch.distributed as dist
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
-from megatron_gspo.training.packing import Response
+from megatron_gspo.parallel.groups import sequence_pad_multiple
+from megatron_gspo.training.packing import Response, pack_minibatch
 from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
 
 from megatron_gspo.model.presets import PRESETS
@@ -49,6 +50,7 @@ def main():
     fixed, wide = loss_decreases(model, optimizer, loss, responses)
     entropy(model, optimizer, loss, fixed, wide, shape, layout)
     fused_recompute(layout, pgs, preset, loss, responses)
+    packed_rows(layout, pgs, preset, loss, responses)
     done()
 
 
@@ -177,6 +179,54 @@ def fused_recompute(layout, pgs, preset, loss, responses):
     assert runs["fused"][1]["ratio_min"] != 1.0 or runs["fused"][1]["ratio_max"] != 1.0
     say(f"fused recompute: {len(runs['fused'])} mini-batches agree with per-mini-batch recompute; "
         f"gap {first['train_rollout_abs_delta_token']:.6f}, entropy {first['entropy']:.6f}")
+
+
+@check("packed rows")
+def packed_rows(layout, pgs, preset, loss, responses):
+    """parallel.pack_sequences: several responses per row, each attending only to itself at its own
+    rotary positions, trains like one response per row: the same records (fused recompute, rollout
+    gap, entropy, 2 optimizer steps) to float noise, the same recomputed log-probs, with less padding.
+    Pipeline parallelism refuses it."""
+    g = torch.Generator().manual_seed(13)
+    with_rollout = [dataclasses.replace(r, rollout_logprobs=(-torch.rand(len(r.response_ids), generator=g)).tolist())
+                    for r in responses]
+    if layout.pp > 1:
+        try:
+            pack_minibatch(with_rollout, dp_size=1, dp_rank=0, max_tokens=64, uniform=True, pack_sequences=True)
+        except ValueError as e:
+            say(f"packed rows under PP: refused ({e})")
+            return
+        raise AssertionError("packed rows under pipeline parallelism should be refused")
+    multiple = sequence_pad_multiple(pgs)
+    plan = pack_minibatch(with_rollout, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=64,
+                          pad_multiple=multiple, pack_sequences=True)
+    assert any(mb.num_sequences > mb.tokens_BS.shape[0] for mb in plan.micro_batches), "nothing was packed"
+    runs, logprobs = {}, {}
+    for packed in (False, True):
+        model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+        logprobs[packed] = compute_logprobs(model, with_rollout, loss, pgs=pgs, max_tokens_per_microbatch=64,
+                                            pack_sequences=packed)
+        settings = StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64, pack_sequences=packed)
+        runs[packed] = train_on_batch(model, optimizer, with_rollout, settings, pgs=pgs, scheduler=scheduler)
+    for a, b in zip(logprobs[False], logprobs[True]):
+        assert len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5) for x, y in zip(a, b)), (a, b)
+    # MoE: the load-balancing aux loss is computed per micro-batch, so (alone) it depends on the split:
+    # the gradient to 1e-4 as in microbatch_invariance, and only mini-batch 1 (before any update) compares.
+    moe = preset == "tiny_moe"
+    for k, (a, b) in enumerate(zip(runs[False], runs[True])):
+        assert a.keys() == b.keys(), (k, sorted(set(a) ^ set(b)))
+        for key in a:
+            if key.endswith("_time_s") or key.endswith("_per_s") or key in ("microbatches", "padding_fraction") \
+                    or (moe and k > 0):
+                continue
+            rel = 1e-4 if moe and key == "grad_norm" else 1e-5
+            assert math.isclose(a[key], b[key], rel_tol=rel, abs_tol=1e-6), (k, key, a[key], b[key])
+    unpacked = sum(r["padding_fraction"] for r in runs[False]) / len(runs[False])
+    packed = sum(r["padding_fraction"] for r in runs[True]) / len(runs[True])
+    assert packed < unpacked, (packed, unpacked)
+    say(f"packed rows: {len(runs[True])} mini-batches agree with one response per row; padding "
+        f"{unpacked:.3f} -> {packed:.3f}, micro-batches {sum(r['microbatches'] for r in runs[False]):.0f} -> "
+        f"{sum(r['microbatches'] for r in runs[True]):.0f}")
 
 
 if __name__ == "__main__":
