@@ -92,7 +92,7 @@ class ParallelConfig:
     pack_sequences: bool = False
     """Several responses per micro-batch row, each attending only to itself (training/packing.py): less
     padding when response lengths vary. Needs the local attention spec (CPU; Transformer Engine's packed
-    format, THD, is not wired here) and pp = 1."""
+    format, THD, is not wired here) and pp = 1; not yet with gspo.routing_replay."""
 
     def __post_init__(self):
         _positive("parallel", self, "tp", "pp", "cp", "ep", "dp", "max_tokens_per_microbatch")
@@ -459,6 +459,9 @@ class TrainConfig:
                "> 0 needs gspo.old_logprobs=rollout: the batch was sampled by older weights, so pi_old must be the "
                "sampler's log-probs (GSPO's sequence ratio tolerates the engine's log-probs; arXiv 2507.18071 "
                "section 4.3), not a recompute under the current weights", self.rollout.max_staleness)
+        _check(not (self.parallel.pack_sequences and self.gspo.routing_replay != "off"), "parallel.pack_sequences",
+               "is not yet supported with gspo.routing_replay (the replayed routing of packed rows is untested); "
+               "set one of them off", self.parallel.pack_sequences)
 
         if self.checkpoint.export_hf is not None:
             _check(self.checkpoint.dir is not None, "checkpoint.export_hf",

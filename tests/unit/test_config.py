@@ -184,3 +184,11 @@ def test_overlapped_rollouts_need_sglang_and_rollout_logprobs():
         load_config(TINY, ["rollout.max_staleness=1"])
     config = load_config(TINY, ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"])
     assert config.rollout.max_staleness == 1
+
+
+def test_packed_rows_rules():
+    assert load_config(TINY, ["parallel.pack_sequences=true"]).parallel.pack_sequences is True
+    with pytest.raises(ValueError, match="parallel.pack_sequences needs pp = 1"):
+        load_config(TINY, ["parallel.pack_sequences=true", "parallel.pp=2", "parallel.tp=1"])
+    with pytest.raises(ValueError, match="parallel.pack_sequences is not yet supported with gspo.routing_replay"):
+        load_config(TINY, ["parallel.pack_sequences=true", "gspo.routing_replay=old"])
