@@ -260,7 +260,7 @@ class ContextParallelDotProductAttention(MegatronModule):
         q_flat = query.transpose(0, 1).reshape(b * sq, n_q, hn)
         k_flat = key.transpose(0, 1).reshape(b * S, ng, hn)
         v_flat = value.transpose(0, 1).reshape(b * S, ng, hn)
-        out_flat = query.new_zeros(b * sq, n_q * hn)
+        contexts, targets = [], []
         for idx_q, idx_k, masked in plan:
             G, Lq = idx_q.shape
             Lk = idx_k.shape[1]
@@ -285,7 +285,10 @@ class ContextParallelDotProductAttention(MegatronModule):
             context = torch.bmm(probs.reshape(G * n_q, Lq, Lk), v_BSh)          # [G*n, Lq, hn]
             context = context.view(G, n_q, Lq, hn).permute(0, 2, 1, 3).reshape(G * Lq, n_q * hn)
             valid = idx_q.flatten() >= 0
-            out_flat = out_flat.index_copy(0, idx_q.flatten()[valid], context[valid])
+            contexts.append(context[valid])
+            targets.append(idx_q.flatten()[valid])
+        # every query is in exactly one bucket: one scatter puts them all back in place
+        out_flat = query.new_zeros(b * sq, n_q * hn).index_copy(0, torch.cat(targets), torch.cat(contexts))
         return out_flat.view(b, sq, n_q * hn).transpose(0, 1).contiguous()
 
 
