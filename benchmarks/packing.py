@@ -28,6 +28,9 @@ brackets; the recomputed mean log-prob agrees to 6 decimals on every layout):
     tp2     0.149 -> 0.036  64 -> 21  0.984 (0.967)  0.895 (0.895)
     ep2     0.246 -> 0.080  64 -> 22  0.837 (0.855)  0.682 (0.778)
 
+A rerun after the packed attention's contexts went back in one scatter (--layouts tp1,ep2): tp1 0.912 (0.913)
+and 0.878 (0.878), ep2 0.766 (0.833) and 0.739 (0.821).
+
 With the attention fed a dense [S, S] block-diagonal mask per row instead (the first version), packed
 was 1.52x (tp1), 1.24x (tp2) and 1.32x (ep2) the CPU time of unpacked in training: rows filled to the
 longest response make the S x S work grow faster than the padding shrinks.
