@@ -51,14 +51,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # noqa: E402 below: these need the path above
-from benchmarks.train_overhead import LAYOUTS, long_tailed_responses, model_shape, parse_args, padding_fraction  # noqa: E402
+from benchmarks.train_overhead import (LAYOUTS, describe, long_tailed_responses, model_shape,  # noqa: E402
+                                       padding_fraction, parse_args, run_layout)
 from megatron_gspo.config import OptimizerConfig  # noqa: E402
 from megatron_gspo.model.gpt import build_model, transformer_config  # noqa: E402
 from megatron_gspo.parallel.groups import init_megatron, manual_seed  # noqa: E402
 from megatron_gspo.training.forward_step import LossSettings  # noqa: E402
 from megatron_gspo.training.optimizer import build_optimizer  # noqa: E402
 from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs  # noqa: E402
-from tests.torchrun import torchrun  # noqa: E402
 
 SIDES = ("unpacked", "packed")
 PASSES = ("train", "recompute")
@@ -121,26 +121,14 @@ def worker(args):
 
 
 def main(args):
-    print(f"N={args.responses} responses (G={args.group_size}), prompts 20-60 tokens, response lengths "
-          f"lognormal(median {args.median_len:g}, sigma {args.sigma:g}) capped at {args.max_len}, "
-          f"max_tokens_per_microbatch={args.max_tokens}, reps={args.reps} (+1 warm-up), 1 thread per rank, gloo, CPU",
-          flush=True)
-    forwarded = ["--reps", args.reps, "--responses", args.responses, "--group-size", args.group_size,
-                 "--median-len", args.median_len, "--sigma", args.sigma, "--max-len", args.max_len,
-                 "--max-tokens", args.max_tokens, "--seed", args.seed]
-    if args.vocab is not None:
-        forwarded += ["--vocab", args.vocab]
+    print(describe(args), flush=True)
     print()
     head = (f"{'layout':6s} {'pass':10s} {'padding':>15s} {'micro-batches':>14s} {'rows':>10s} "
             f"{'wall s':>15s} {'cpu s':>15s} {'x wall':>7s} {'x cpu':>6s}  value (unpacked / packed)")
     print(head)
     print("-" * len(head))
     for name in args.layouts:
-        out = torchrun(__file__, LAYOUTS[name].nproc, "--worker", name, *forwarded, timeout=3600)
-        results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        if len(results) != 1:
-            raise RuntimeError(f"layout {name}: expected one RESULT line, got {len(results)}:\n{out[-4000:]}")
-        r = results[0]
+        r = run_layout(__file__, name, args)
         series = dict(zip(r["keys"], zip(r["times"], r["cpu"])))
         u, p = r["sides"]["unpacked"], r["sides"]["packed"]
         for what in PASSES:

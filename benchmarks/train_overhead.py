@@ -349,25 +349,35 @@ def worker(args):
 
 # ----------------------------------------------------------------------------------------- driver
 
-def main(args):
-    print(f"N={args.responses} responses (G={args.group_size}), prompts 20-60 tokens, response lengths "
-          f"lognormal(median {args.median_len:g}, sigma {args.sigma:g}) capped at {args.max_len}, "
-          f"max_tokens_per_microbatch={args.max_tokens}, reps={args.reps} (+1 warm-up), "
-          f"1 thread per rank, gloo, CPU", flush=True)
+def describe(args) -> str:
+    """The mini-batch and run settings, as the first line of a benchmark's output."""
+    return (f"N={args.responses} responses (G={args.group_size}), prompts 20-60 tokens, response lengths "
+            f"lognormal(median {args.median_len:g}, sigma {args.sigma:g}) capped at {args.max_len}, "
+            f"max_tokens_per_microbatch={args.max_tokens}, reps={args.reps} (+1 warm-up), "
+            f"1 thread per rank, gloo, CPU")
+
+
+def run_layout(script, name: str, args) -> dict:
+    """Run `script --worker NAME` under torchrun with the mini-batch arguments of `args`; its one RESULT."""
     forwarded = ["--reps", args.reps, "--responses", args.responses, "--group-size", args.group_size,
                  "--median-len", args.median_len, "--sigma", args.sigma, "--max-len", args.max_len,
                  "--max-tokens", args.max_tokens, "--seed", args.seed]
     if args.vocab is not None:
         forwarded += ["--vocab", args.vocab]
+    out = torchrun(script, LAYOUTS[name].nproc, "--worker", name, *forwarded, timeout=3600)
+    results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    if len(results) != 1:
+        raise RuntimeError(f"layout {name}: expected one RESULT line from the worker, got "
+                           f"{len(results)}:\n{out[-4000:]}")
+    return results[0]
+
+
+def main(args):
+    print(describe(args), flush=True)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_MEMORY)  # for the workers (see worker)
     rows = []
     for name in args.layouts:
-        out = torchrun(__file__, LAYOUTS[name].nproc, "--worker", name, *forwarded, timeout=3600)
-        results = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        if len(results) != 1:
-            raise RuntimeError(f"layout {name}: expected one RESULT line from the worker, got "
-                               f"{len(results)}:\n{out[-4000:]}")
-        rows.append(results[0])
+        rows.append(run_layout(__file__, name, args))
         print(f"  done {name}", flush=True)
     print_table(rows)
 

@@ -1,8 +1,8 @@
 """Batches as the trainer hands them to Megatron's schedules.
 
 Shapes: B rows (one sequence each, right-padded, unless rows are packed: segments_BS), S positions.
-Position s of a row holds input token tokens[s] and the target labels[s] = tokens[s+1] that the logits at s predict; loss_mask[s] = 1 when
-that target is a trained response token. Everything that varies along S is split the same way under
+Position s of a row holds input token tokens[s] and the target labels[s] = tokens[s+1] that the logits
+at s predict; loss_mask[s] = 1 when that target is a trained response token. Everything that varies along S is split the same way under
 context parallelism, so the shift never crosses a CP boundary.
 """
 from __future__ import annotations
@@ -12,6 +12,15 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_gspo.parallel.context_parallel import split_for_cp
+
+
+def sequence_sums(values_BS: torch.Tensor, segments_BS: torch.Tensor | None, num_sequences: int) -> torch.Tensor:
+    """[N] sums of `values_BS` over each sequence's positions: rows (segments_BS None, N = B), or the
+    sequences of packed rows (MicroBatch.segments_BS); padding (-1) is counted in sequence 0, so its
+    values must be zero."""
+    if segments_BS is None:
+        return values_BS.sum(1)
+    return values_BS.new_zeros(num_sequences).index_add(0, segments_BS.flatten().clamp(min=0), values_BS.flatten())
 
 
 @dataclass

@@ -187,14 +187,13 @@ class ContextParallelDotProductAttention(MegatronModule):
             # With a KV cache the queries are the last sq positions (sq == sk without one).
             q_pos = torch.arange(S - sq, S)
 
-        if attention_mask is not None and not attention_mask.is_floating_point() \
-                and attention_mask.dtype != torch.bool:
-            return self._segment_attention(query, key, value, attention_mask, q_pos)
-        if attention_mask is None and mask_type in _CAUSAL_TYPES:
+        segments = attention_mask if attention_mask is not None and not attention_mask.is_floating_point() \
+            and attention_mask.dtype != torch.bool else None
+        if segments is None and attention_mask is None and mask_type in _CAUSAL_TYPES:
             # [sq, S]: query at global position i sees keys at positions <= i.
             k_pos = torch.arange(S)
             attention_mask = (k_pos[None, :] > q_pos[:, None]).to(query.device)
-        if attention_mask is not None and (
+        if segments is None and attention_mask is not None and (
             attention_mask.size(-1) != S or attention_mask.size(-2) not in (1, sq)
         ):
             raise ValueError(
@@ -208,25 +207,35 @@ class ContextParallelDotProductAttention(MegatronModule):
         if heads_per_group > 1:
             key = key.repeat_interleave(heads_per_group, dim=2)
             value = value.repeat_interleave(heads_per_group, dim=2)
+        if segments is not None:
+            return self._segment_attention(query, key, value, segments, q_pos)
 
         b, n_heads, hn = query.size(1), query.size(2), query.size(3)
         q_Bqh = query.reshape(sq, b * n_heads, hn).transpose(0, 1)  # B = b*np
         k_BSh = key.reshape(S, b * n_heads, hn).transpose(0, 1)
         v_BSh = value.reshape(S, b * n_heads, hn).transpose(0, 1)
+        context_Bqh = self._attend(q_Bqh, k_BSh, v_BSh, attention_mask, b)
+        context_qbnh = context_Bqh.view(b, n_heads, sq, hn).permute(2, 0, 1, 3).contiguous()
+        return context_qbnh.view(sq, b, self.hidden_size_per_partition)
 
+    def _attend(self, q_Bqh: Tensor, k_BSh: Tensor, v_BSh: Tensor, mask: Optional[Tensor], batch: int) -> Tensor:
+        """DotProductAttention's arithmetic: q [B*np, sq, hn], k/v [B*np, S, hn] and a bool mask broadcastable
+        to [B, np, sq, S] (True = masked; None: none) -> context [B*np, sq, hn]."""
+        Bn, sq, _ = q_Bqh.shape
+        S = k_BSh.size(1)
         # baddbmm with beta=0 is the exact arithmetic DotProductAttention uses.
         scores_BqS = torch.baddbmm(
-            q_Bqh.new_empty(b * n_heads, sq, S), q_Bqh, k_BSh.transpose(1, 2),
+            q_Bqh.new_empty(Bn, sq, S), q_Bqh, k_BSh.transpose(1, 2),
             beta=0.0, alpha=self.softmax_scale,
         )
         # Softmax in at least float32 (bf16/fp16 scores are upcast, float64 stays float64).
         softmax_dtype = torch.promote_types(scores_BqS.dtype, torch.float32)
-        scores_bnqS = scores_BqS.view(b, n_heads, sq, S).to(softmax_dtype)
+        scores_bnqS = scores_BqS.view(batch, Bn // batch, sq, S).to(softmax_dtype)
         if self.layer_scaling_coeff is not None:
             scores_bnqS = scores_bnqS * self.layer_scaling_coeff
-        if attention_mask is not None:
-            scores_bnqS = scores_bnqS.masked_fill(attention_mask, _MASKED_SCORE)
-        probs_bnqS = torch.softmax(scores_bnqS, dim=-1).to(query.dtype)
+        if mask is not None:
+            scores_bnqS = scores_bnqS.masked_fill(mask, _MASKED_SCORE)
+        probs_bnqS = torch.softmax(scores_bnqS, dim=-1).to(q_Bqh.dtype)
 
         if self.training and self.attention_dropout.p > 0:
             # As DotProductAttention: without sequence parallelism every TP rank holds different
@@ -236,53 +245,35 @@ class ContextParallelDotProductAttention(MegatronModule):
             else:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     probs_bnqS = self.attention_dropout(probs_bnqS)
-
-        context_Bqh = torch.bmm(probs_bnqS.reshape(b * n_heads, sq, S), v_BSh)
-        context_qbnh = context_Bqh.view(b, n_heads, sq, hn).permute(2, 0, 1, 3).contiguous()
-        return context_qbnh.view(sq, b, self.hidden_size_per_partition)
+        return torch.bmm(probs_bnqS.reshape(Bn, sq, S), v_BSh)
 
     def _segment_attention(self, query: Tensor, key: Tensor, value: Tensor, segments_BS: Tensor,
                            q_pos: Tensor) -> Tensor:
         """Causal attention within each segment of packed rows: query [sq, b, np, hn] (this rank's
-        positions q_pos), key/value [S, b, ng, hn] (all positions, natural order) -> [sq, b, np*hn].
+        positions q_pos), key/value [S, b, np, hn] (all positions, natural order, GQA groups already
+        repeated) -> [sq, b, np*hn].
 
         The (row, segment) pairs are bucketed by length and each bucket runs as one batched product
-        padded to its longest member, so the work is about sum(L_i^2) instead of rows x S^2. The
-        arithmetic per query is the dense path's (baddbmm scaled scores, masked_fill, float32 softmax,
-        bmm) over its own sequence's keys only.
+        padded to its longest member, so the work is about sum(L_i^2) instead of rows x S^2. Each bucket
+        goes through the dense path's arithmetic (_attend) over its own sequences' keys only.
         """
         sq, b, n_q, hn = query.shape
-        S, ng = key.size(0), key.size(2)
+        S = key.size(0)
         if segments_BS.shape != (b, S):
             raise ValueError(f"segment ids must be [b={b}, S={S}], got {tuple(segments_BS.shape)}")
-        plan = _segment_plan(segments_BS, q_pos)
-        heads_per_group = n_q // ng
         q_flat = query.transpose(0, 1).reshape(b * sq, n_q, hn)
-        k_flat = key.transpose(0, 1).reshape(b * S, ng, hn)
-        v_flat = value.transpose(0, 1).reshape(b * S, ng, hn)
+        k_flat = key.transpose(0, 1).reshape(b * S, n_q, hn)
+        v_flat = value.transpose(0, 1).reshape(b * S, n_q, hn)
         contexts, targets = [], []
-        for idx_q, idx_k, masked in plan:
+        for idx_q, idx_k, masked in _segment_plan(segments_BS, q_pos):
             G, Lq = idx_q.shape
             Lk = idx_k.shape[1]
-            q = q_flat[idx_q.clamp(min=0)]                                     # [G, Lq, n, hn]
-            k, v = k_flat[idx_k.clamp(min=0)], v_flat[idx_k.clamp(min=0)]      # [G, Lk, ng, hn]
-            if heads_per_group > 1:
-                k = k.repeat_interleave(heads_per_group, dim=2)
-                v = v.repeat_interleave(heads_per_group, dim=2)
-            q_Bqh = q.permute(0, 2, 1, 3).reshape(G * n_q, Lq, hn)
-            k_BhS = k.permute(0, 2, 3, 1).reshape(G * n_q, hn, Lk)
-            v_BSh = v.permute(0, 2, 1, 3).reshape(G * n_q, Lk, hn)
-            scores = torch.baddbmm(q_Bqh.new_empty(G * n_q, Lq, Lk), q_Bqh, k_BhS,
-                                   beta=0.0, alpha=self.softmax_scale)
-            scores = scores.view(G, n_q, Lq, Lk).to(torch.promote_types(scores.dtype, torch.float32))
-            if self.layer_scaling_coeff is not None:
-                scores = scores * self.layer_scaling_coeff
-            scores = scores.masked_fill(masked[:, None], _MASKED_SCORE)
-            probs = torch.softmax(scores, dim=-1).to(query.dtype)
-            if self.training and self.attention_dropout.p > 0:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    probs = self.attention_dropout(probs)
-            context = torch.bmm(probs.reshape(G * n_q, Lq, Lk), v_BSh)          # [G*n, Lq, hn]
+
+            def heads_first(x_flat, idx, length):  # [G, L, np, hn] gathered -> [G*np, L, hn]
+                return x_flat[idx.clamp(min=0)].permute(0, 2, 1, 3).reshape(G * n_q, length, hn)
+
+            context = self._attend(heads_first(q_flat, idx_q, Lq), heads_first(k_flat, idx_k, Lk),
+                                   heads_first(v_flat, idx_k, Lk), masked[:, None], G)   # [G*np, Lq, hn]
             context = context.view(G, n_q, Lq, hn).permute(0, 2, 1, 3).reshape(G * Lq, n_q * hn)
             valid = idx_q.flatten() >= 0
             contexts.append(context[valid])

@@ -231,8 +231,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, sc
         with torch.no_grad():  # it copies into the main parameters, views of the model's with fp32 params
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
-        if not torch.cuda.is_available():  # the saved param_groups replace ours, fused flag included
-            fuse_cpu_adam(optimizer)
+        fuse_cpu_adam(optimizer)  # the saved param_groups replaced ours, fused flag included
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])

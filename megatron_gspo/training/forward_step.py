@@ -28,7 +28,7 @@ from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.loss.policy import Algorithm, policy_loss
 from megatron_gspo.model.routing import RoutingPass
 from megatron_gspo.parallel.collectives import group_rank, group_size
-from megatron_gspo.types import MicroBatch
+from megatron_gspo.types import MicroBatch, sequence_sums
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,6 @@ def _sequence_ids(batch: MicroBatch, num_sequences: int):
             "num_sequences": num_sequences}
 
 
-def _per_sequence(values_BS, batch: MicroBatch, num_sequences: int) -> torch.Tensor:
-    """[N] sums of `values_BS` (zero off the loss mask) over each sequence's positions on this rank."""
-    if not batch.packed:
-        return values_BS.sum(1)
-    return values_BS.new_zeros(num_sequences).index_add(0, batch.segments_BS.flatten().clamp(min=0),
-                                                         values_BS.flatten())
-
-
 def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, num_global_sequences: int,
                         num_microbatches: int, with_entropy: bool = False, routing: RoutingPass | None = None,
                         on_policy: bool = False):
@@ -159,8 +151,9 @@ def logprobs_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection
     def loss_func(batch: MicroBatch, sequences: int, logits_SBV):
         logprobs_BS, entropy_BS = _logprobs(logits_SBV, batch, settings, pgs, with_entropy=True)
         mask_BS = batch.loss_mask_BS.bool()
-        entropy_N = _per_sequence(torch.where(mask_BS, entropy_BS.detach().double(), 0.0), batch, sequences)
-        tokens_N = _per_sequence(mask_BS.double(), batch, sequences)
+        entropy_N = sequence_sums(torch.where(mask_BS, entropy_BS.detach().double(), 0.0), batch.segments_BS,
+                                  sequences)
+        tokens_N = sequence_sums(mask_BS.double(), batch.segments_BS, sequences)
         return logits_SBV.new_zeros(()), {"logprobs": logprobs_BS.detach(),
                                           "entropy_token_sum": entropy_N.sum(), "response_tokens": tokens_N.sum(),
                                           "entropy_seq_sum": entropy_N, "response_tokens_seq": tokens_N}

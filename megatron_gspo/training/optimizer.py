@@ -25,8 +25,7 @@ def build_optimizer(model: list, config: OptimizerConfig, *, total_steps: int,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
         clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
         use_distributed_optimizer=distributed), model)
-    if not torch.cuda.is_available():
-        fuse_cpu_adam(optimizer)
+    fuse_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
         min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
@@ -36,9 +35,9 @@ def build_optimizer(model: list, config: OptimizerConfig, *, total_steps: int,
     return optimizer, scheduler
 
 
-def fuse_cpu_adam(optimizer) -> int:
-    """Switch the torch Adam(W) inside a Megatron optimizer to torch's fused CPU kernel; return how many
-    parameter groups changed.
+def fuse_cpu_adam(optimizer) -> None:
+    """On a CPU-only machine, switch the torch Adam(W) inside a Megatron optimizer to torch's fused CPU
+    kernel (a no-op where CUDA is present).
 
     Without Transformer Engine or apex, Megatron-Core builds `torch.optim.AdamW` with torch's default
     implementation, which on CPU is the single-tensor loop: a dozen Python-dispatched ops per parameter
@@ -46,13 +45,9 @@ def fuse_cpu_adam(optimizer) -> int:
     demo's 2 ranks it takes the optimizer step from ~4.6 ms to ~1 ms per mini-batch. Only CPU runs
     take this path: on GPU Megatron uses TE's or apex's fused Adam already.
     """
-    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
-    changed = 0
-    for torch_optimizer in inner:
-        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in torch_optimizer.param_groups:
-            if not group.get("fused"):
+    if torch.cuda.is_available():
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in opt.optimizer.param_groups:
                 group.update(fused=True, foreach=False)
-                changed += 1
-    return changed

@@ -48,6 +48,7 @@ from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step, policy_forward_step
 from megatron_gspo.training.packing import PackedMiniBatch, Trainable, pack_minibatch
+from megatron_gspo.types import sequence_sums
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def _old_logprob_metrics(minis: Sequence[PackedMiniBatch], logprobs: Sequence[li
             mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
             if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
                 sums[k, :5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS,
-                                         mb.segments_BS)
+                                         mb.segments_BS, mb.num_sequences)
         if entropy[k] is not None:
             sums[k, 5:] += entropy[k]
     dist.all_reduce(sums, group=pgs.dp_cp)
@@ -292,19 +293,14 @@ def _recompute_fused(model, packed: Sequence[PackedMiniBatch], minis: Sequence[S
         return _old_logprob_metrics(packed, logprobs, list(entropy), pgs)
 
 
-def _gap_sums(train_BS, rollout_BS, mask_BS, segments_BS=None) -> torch.Tensor:
+def _gap_sums(train_BS, rollout_BS, mask_BS, segments_BS=None, num_sequences: int | None = None) -> torch.Tensor:
     """Sums for the mean |train - rollout| log-prob per token and per sequence (mean over its tokens).
-    Sequences: rows, or (packed rows) the segments of `segments_BS`."""
+    Sequences: rows, or (packed rows) the `num_sequences` segments of `segments_BS`."""
     delta_BS = (train_BS.double() - rollout_BS.double())
     finite_BS = mask_BS.bool() & torch.isfinite(delta_BS)
     delta_BS = torch.where(finite_BS, delta_BS, 0.0)
-    if segments_BS is None:
-        count_N, delta_N = finite_BS.sum(1), delta_BS.sum(1)
-    else:
-        ids = segments_BS.flatten().clamp(min=0)  # padding is never finite_BS
-        n = int(segments_BS.max()) + 1
-        count_N = torch.zeros(n, dtype=torch.long).index_add(0, ids, finite_BS.flatten().long())
-        delta_N = torch.zeros(n, dtype=torch.float64).index_add(0, ids, delta_BS.flatten())
+    count_N = sequence_sums(finite_BS.long(), segments_BS, num_sequences)   # padding is never finite_BS: adds 0
+    delta_N = sequence_sums(delta_BS, segments_BS, num_sequences)
     has = count_N > 0
     seq_N = delta_N.abs() / count_N.clamp(min=1)
     return torch.stack([delta_BS.abs().sum(), count_N.sum().double(), seq_N[has].sum(),
