@@ -29,7 +29,8 @@ brackets; the recomputed mean log-prob agrees to 6 decimals on every layout):
     ep2     0.246 -> 0.080  64 -> 22  0.837 (0.855)  0.682 (0.778)
 
 A rerun after the packed attention's contexts went back in one scatter (--layouts tp1,ep2): tp1 0.912 (0.913)
-and 0.878 (0.878), ep2 0.766 (0.833) and 0.739 (0.821).
+and 0.878 (0.878), ep2 0.766 (0.833) and 0.739 (0.821). After the dense and packed paths came to share one
+attention routine: tp1 0.954 (0.952) and 0.890 (0.891), ep2 0.746 (0.803) and 0.715 (0.775).
 
 With the attention fed a dense [S, S] block-diagonal mask per row instead (the first version), packed
 was 1.52x (tp1), 1.24x (tp2) and 1.32x (ep2) the CPU time of unpacked in training: rows filled to the
