@@ -214,9 +214,20 @@ class RolloutConfig:
     with weights one version older); N: up to N batches ahead. Needs gspo.old_logprobs=rollout (pi_old is
     the behaviour policy, the sampler's own log-probs) and rollout.backend=sglang (the in-process
     backend samples on the training ranks: nothing to overlap)."""
+    partial_rollout: bool = False
+    """With max_staleness > 0: a weight push does not wait for the batch being generated. The servers pause
+    it (SGLang /pause_generation, mode retract), load the new weights and continue it under them, its KV
+    recomputed (rollout/manager.py). A response that was cut keeps the tokens it had: the first
+    `Sample.stale_prefix` tokens, by the older weights, condition the rest but are not trained (m_t = 0,
+    GSPO.md); the tokens after them, by the new weights, train (SGLang's meta_info.weight_versions tells
+    them apart). Long generations then never hold a push back; rollout/stale_prefix_fraction reports the
+    share of response tokens not trained."""
 
     def __post_init__(self):
         _positive("rollout", self, "num_servers", "concurrency")
+        _check(not self.partial_rollout or self.max_staleness > 0, "rollout.partial_rollout",
+               "needs rollout.max_staleness > 0 (a synchronous run has no batch in flight when it pushes weights)",
+               self.partial_rollout)
         _check(self.max_staleness >= 0, "rollout.max_staleness", "must be >= 0", self.max_staleness)
         _check(self.max_staleness == 0 or self.backend == "sglang", "rollout.max_staleness",
                "must be 0 with rollout.backend=megatron (the model samples on the ranks that train it: "
@@ -462,6 +473,9 @@ class TrainConfig:
         _check(not (self.parallel.pack_sequences and self.gspo.routing_replay != "off"), "parallel.pack_sequences",
                "is not yet supported with gspo.routing_replay (the replayed routing of packed rows is untested); "
                "set one of them off", self.parallel.pack_sequences)
+        _check(not (self.rollout.partial_rollout and self.gspo.routing_replay == "rollout"), "rollout.partial_rollout",
+               "is not yet supported with gspo.routing_replay=rollout (the routing SGLang reports for a response "
+               "continued under new weights is untested); set one of them off", self.rollout.partial_rollout)
 
         if self.checkpoint.export_hf is not None:
             _check(self.checkpoint.dir is not None, "checkpoint.export_hf",

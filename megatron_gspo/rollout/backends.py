@@ -7,7 +7,8 @@
     backend.close()
 
 - `SGLangBackend`: SGLang servers (launched here or given by URL) reached over HTTP by rank 0 alone;
-  new weights go to them through one `sync.sglang.WeightSync` transport (disk, tensor or broadcast).
+  new weights go to them through one `sync.sglang.WeightSync` transport (disk, tensor or broadcast),
+  into the requests in flight with rollout.partial_rollout (which then continue under them).
 - `MegatronBackend`: the trainer's own model generates (rollout/megatron_backend.py), collectively on
   every rank; the model that trains is the model that samples, so a sync only moves the version.
 
@@ -77,13 +78,14 @@ class SGLangBackend:
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
             client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s,
-                                  parallel_sampling=r.parallel_sampling)
+                                  parallel_sampling=r.parallel_sampling, weight_spans=r.partial_rollout)
             self._eval_client = RolloutClient(self.urls, client)
             self._client = (RolloutClient(self.urls, dataclasses.replace(client, routed_experts=routing))
                             if routing is not None else self._eval_client)
             self._weights: WeightSync = open_weight_sync(r.weight_sync, self.urls,
                                                          folder=Path(config.logging.run_dir) / "weights",
-                                                         config_dir=config.model.hf_path)
+                                                         config_dir=config.model.hf_path,
+                                                         pause_generation=r.partial_rollout)
             self._stack.callback(self._weights.close)
         except BaseException:
             self._stack.close()

@@ -17,8 +17,12 @@ Overlap (rollout.max_staleness = N > 0; SGLang backend, rank 0): after `generate
 trainer trains on batch t. A weight push waits for the batch being generated to finish and holds
 the next one back until the servers have the new weights (`sync_weights`), so every batch is sampled
 by one weight version, at most N versions older than the policy that trains on it; each sample carries
-it (`weight_version`) and `staleness_metrics` reports the gap. Evaluation holds the background thread
-back the same way. `ahead()` gives the batches already generated (a checkpoint saves them) and
+it (`weight_version`) and `staleness_metrics` reports the gap. With rollout.partial_rollout a push
+waits for nothing: the servers hold the requests in flight while they load the new weights and continue
+them under those (sync/sglang.py:generation_paused); a response cut by a push trains only on the tokens
+after its `stale_prefix` (samples.py), which the newer weights generated, so a batch mixes versions but
+every trained token is at most N versions old. Evaluation holds the background thread back either way
+(until the batch being generated finishes). `ahead()` gives the batches already generated (a checkpoint saves them) and
 `preload` puts them back on resume, so a resumed run trains on exactly the batches the interrupted
 one had sampled. With N = 0 nothing runs in the background: generate, then train.
 
@@ -112,6 +116,8 @@ class Rollout:
         overlapping = backend is not None and not backend.collective
         self.max_staleness = config.rollout.max_staleness if overlapping else 0
         """Batches generated ahead (rank 0 of an SGLang run); 0 elsewhere."""
+        self.partial = bool(self.max_staleness) and config.rollout.partial_rollout
+        """A push goes into the batch being generated (the backend pauses and continues it)."""
         self._ahead: collections.deque[Future] = collections.deque()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if self.max_staleness else None
         self._turn = threading.Condition()
@@ -253,7 +259,8 @@ class Rollout:
         try:
             if self.backend is not None:
                 start = time.perf_counter()
-                with self._servers_to_ourselves():  # between two batches: each is sampled by one version
+                # between two batches, each sampled by one version; partial rollouts: into the one in flight
+                with contextlib.nullcontext() if self.partial else self._servers_to_ourselves():
                     self.sync_wait_s = time.perf_counter() - start
                     self.backend.sync_weights(tensors, version)
         except Exception as error:

@@ -24,6 +24,7 @@ reports afterwards is checked.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import shutil
@@ -67,18 +68,21 @@ WeightSyncKind = Literal["disk", "tensor", "broadcast"]
 
 
 def open_weight_sync(kind: WeightSyncKind, urls: list[str], *, folder: str | Path, config_dir: str | Path,
-                     api_key: str | None = None) -> WeightSync:
+                     api_key: str | None = None, pause_generation: bool = False) -> WeightSync:
     """The transport `kind` to the servers at `urls` (connected: ready to push).
 
     disk writes to `folder` (a path the servers can read; config and tokenizer files come from
-    `config_dir`); broadcast uses NCCL when this process has a GPU, else gloo."""
+    `config_dir`); broadcast uses NCCL when this process has a GPU, else gloo. `pause_generation`: a push
+    holds the requests in flight while the servers load (`generation_paused`) and they continue under the
+    new weights (rollout.partial_rollout), instead of waiting for them to finish."""
     if kind == "disk":
-        return DiskSync(urls, folder, config_dir, api_key=api_key)
+        return DiskSync(urls, folder, config_dir, api_key=api_key, pause_generation=pause_generation)
     if kind == "tensor":
-        return TensorSync(urls, api_key=api_key)
+        return TensorSync(urls, api_key=api_key, pause_generation=pause_generation)
     if kind == "broadcast":
         # NCCL between GPUs (the exported tensors are on rank 0's GPU, SGLang's on theirs), else gloo.
-        sync = BroadcastSync(urls, api_key=api_key, backend="nccl" if torch.cuda.is_available() else "gloo")
+        sync = BroadcastSync(urls, api_key=api_key, backend="nccl" if torch.cuda.is_available() else "gloo",
+                             pause_generation=pause_generation)
         sync.connect()
         return sync
     raise ValueError(f"weight sync must be one of disk, tensor, broadcast, got {kind!r}")
@@ -125,16 +129,40 @@ def _on_all(admins: list[ServerAdmin], fn) -> list:
         return [f.result() for f in [pool.submit(fn, a) for a in admins]]
 
 
-def _update(admins: list[ServerAdmin], version: str, body) -> None:
-    """begin -> body(admin) on every server -> end, then check every server reports `version`."""
-    _on_all(admins, lambda a: a.post("/begin_weight_update"))
-    try:
-        body()
-    finally:
-        _on_all(admins, lambda a: a.post("/end_weight_update"))
+def _update(admins: list[ServerAdmin], version: str, body, pause_generation: bool = False) -> None:
+    """begin -> body(admin) on every server -> end, then check every server reports `version`.
+    `pause_generation`: all of it with the requests in flight held (`generation_paused`), which then
+    continue under the new weights; otherwise SGLang waits for them to finish before it loads."""
+    with generation_paused(admins) if pause_generation else contextlib.nullcontext():
+        _on_all(admins, lambda a: a.post("/begin_weight_update"))
+        try:
+            body()
+        finally:
+            _on_all(admins, lambda a: a.post("/end_weight_update"))
     wrong = {a.url: v for a in admins if (v := a.weight_version()) != version}
     if wrong:
         raise WeightSyncError(f"after the update to weight_version {version!r} servers report {wrong}")
+
+
+@contextlib.contextmanager
+def generation_paused(admins: list[ServerAdmin]) -> Iterator[None]:
+    """Every server's requests in flight held inside the block: SGLang's /pause_generation in mode
+    "retract" puts them back in its queue (their KV cache freed, so a weight update may flush the cache)
+    and /continue_generation resumes them after it, their prompt and tokens so far prefilled again with
+    the weights loaded meanwhile; a request that arrives meanwhile waits. Each answer then tells which
+    output tokens which weights generated (meta_info.weight_versions; rollout/client.py:stale_prefix).
+    The servers continue even when the block fails (a failed continue then does not hide its error)."""
+    failed = True
+    try:
+        _on_all(admins, lambda a: a.post("/pause_generation", {"mode": "retract"}))
+        yield
+        failed = False
+    finally:
+        try:
+            _on_all(admins, lambda a: a.post("/continue_generation", {}))
+        except WeightSyncError:
+            if not failed:
+                raise
 
 
 def buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -174,11 +202,13 @@ def write_hf_checkpoint(named_tensors: NamedTensors, out_dir: str | Path, config
     return out
 
 
-def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, api_key: str | None = None) -> None:
+def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, api_key: str | None = None,
+                   pause_generation: bool = False) -> None:
     """Every server loads the HF checkpoint at checkpoint_dir (a path the servers can read)."""
     admins = _admins(urls, api_key)
     payload = {"model_path": str(checkpoint_dir), "weight_version": version, "flush_cache": True}
-    _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)))
+    _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)),
+            pause_generation)
 
 
 def check_disk_sync_folder(folder: str | Path) -> None:
@@ -192,16 +222,20 @@ def check_disk_sync_folder(folder: str | Path) -> None:
 class DiskSync:
     """WeightSync through a shared file system: an HF checkpoint in `folder`, loaded by every server."""
 
-    def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None):
+    def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None,
+                 pause_generation: bool = False):
         check_disk_sync_folder(folder)
         self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
+        self.pause_generation = pause_generation
+        """Hold the requests in flight while the servers load (not while the checkpoint is written)."""
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
         where = profiling.current()
         with profiling.span(f"{where}/write"):  # the export walk (gathering the tensors) happens in here
             written = write_hf_checkpoint(named_tensors, self.folder, self.config_dir)
         with profiling.span(f"{where}/server_load"):
-            sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key)
+            sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key,
+                           pause_generation=self.pause_generation)
 
     def close(self) -> None:
         pass
@@ -220,7 +254,7 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, api_key: str | None = None,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1) -> None:
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1, pause_generation: bool = False) -> None:
     """Colocated update: tensors are shared with each server process, not copied over HTTP."""
     admins = _admins(urls, api_key)
 
@@ -229,17 +263,20 @@ def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, a
             payload = {"serialized_named_tensors": [serialize_named_tensors(bucket)] * tp_size,
                        "weight_version": version, "flush_cache": True}
             _on_all(admins, lambda a: a.post("/update_weights_from_tensor", payload))
-    _update(admins, version, body)
+    _update(admins, version, body, pause_generation)
 
 
 class TensorSync:
     """WeightSync for servers on this host: tensors shared with the server processes, not copied."""
 
-    def __init__(self, urls: list[str], api_key: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, urls: list[str], api_key: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 pause_generation: bool = False):
         self.urls, self.api_key, self.bucket_bytes = list(urls), api_key, bucket_bytes
+        self.pause_generation = pause_generation
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        sync_by_tensor(self.urls, named_tensors, version, api_key=self.api_key, bucket_bytes=self.bucket_bytes)
+        sync_by_tensor(self.urls, named_tensors, version, api_key=self.api_key, bucket_bytes=self.bucket_bytes,
+                       pause_generation=self.pause_generation)
 
     def close(self) -> None:
         pass
@@ -285,8 +322,9 @@ class BroadcastSync:
 
     def __init__(self, urls: list[str], api_key: str | None = None, master_address: str | None = None,
                  master_port: int | None = None, backend: str = "gloo", tp_sizes: list[int] | None = None,
-                 group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0):
+                 group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0, pause_generation: bool = False):
         self.admins = _admins(urls, api_key)
+        self.pause_generation = pause_generation
         self.master_address = master_address or address_towards(urls[0])
         """Where the servers reach this process (the group's rank 0): default, this host's address on
         the route to the first server (127.0.0.1 for local servers, the node's own on a cluster)."""
@@ -336,7 +374,7 @@ class BroadcastSync:
                 thread.join()
                 if errors:
                     raise errors[0]
-        _update(self.admins, version, body)
+        _update(self.admins, version, body, self.pause_generation)
 
     def close(self) -> None:
         if self.group is not None:

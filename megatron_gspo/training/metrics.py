@@ -42,6 +42,8 @@ METRIC_NAMES: dict[str, str] = {
     "rollout_tokens_per_s": "rollout/tokens_per_s",
     "rollout_staleness_mean": "rollout/staleness_mean",
     "rollout_staleness_max": "rollout/staleness_max",
+    "rollout_partial_fraction": "rollout/partial_fraction",
+    "rollout_stale_prefix_fraction": "rollout/stale_prefix_fraction",
     # loss/: the mini-batch's objective and its importance ratios (loss/policy.py)
     "loss": "loss/value",
     "clipped_fraction_seq": "loss/clipped_fraction_seq",

@@ -10,7 +10,9 @@ One row is prompt + response, right-padded. The logits at position s predict tok
     labels_BS       p1   p2   r0   r1   0    0    0    0      tokens shifted left by one
     loss_mask_BS    0    0    1    1    0    0    0    0      1 where the label is a response token
     old_logprobs    0    0    l0   l1   0    0    0    0      aligned with the labels
-A per-token advantage list is aligned the same way as the log-probs.
+A per-token advantage list is aligned the same way as the log-probs. A response's stale prefix (its
+first `stale_prefix` tokens, by older weights: rollout.partial_rollout) keeps loss_mask 0: with
+stale_prefix = 1 above, the mask would be 0 0 0 1 0 0 0 0.
 
 S is a multiple of `pad_multiple` = 2*cp*tp: context parallelism cuts rows into 2*cp chunks and
 sequence parallelism splits each CP part over the TP ranks.
@@ -64,7 +66,8 @@ class Trainable(Protocol):
     """The sampler's log-prob of each response token, or None (then old log-probs are recomputed)."""
     advantage: float | Sequence[float]
     """One advantage for the response, or one per response token."""
-    # Optional: `routed_experts` (samples.Sample's), the rollout engine's MoE routing, read with getattr.
+    # Optional, read with getattr: `routed_experts` (samples.Sample's), the rollout engine's MoE routing;
+    # `stale_prefix` (samples.Sample's), leading response tokens that are not trained.
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class Response:
     rollout_logprobs: Sequence[float] | None = None
     routed_experts: object = None
     """[P + R - 1, L, k] expert ids per input position (samples.Sample.routed_experts), or None."""
+    stale_prefix: int = 0
+    """Leading response tokens that condition the rest but are not trained (samples.Sample.stale_prefix)."""
 
 
 @dataclass
@@ -122,6 +127,10 @@ def _check(responses: Sequence[Trainable]) -> None:
         if r.rollout_logprobs is not None and len(r.rollout_logprobs) != len(r.response_ids):
             raise ValueError(f"response {i}: {len(r.rollout_logprobs)} rollout log-probs for "
                              f"{len(r.response_ids)} response tokens")
+        stale = getattr(r, "stale_prefix", 0)
+        if stale and not 0 < stale < len(r.response_ids):
+            raise ValueError(f"response {i}: stale_prefix {stale} must leave at least one of the "
+                             f"{len(r.response_ids)} response tokens to train")
         if not isinstance(r.advantage, (int, float)) and len(r.advantage) != len(r.response_ids):
             raise ValueError(f"response {i}: {len(r.advantage)} per-token advantages for "
                              f"{len(r.response_ids)} response tokens")
@@ -282,7 +291,7 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
             tokens[b, span] = ids
             labels[b, start:start + P + R - 1] = ids[1:]
             targets = slice(start + P - 1, start + P + R - 1)   # positions whose label is a response token
-            mask[b, targets] = 1.0
+            mask[b, start + P - 1 + getattr(r, "stale_prefix", 0):start + P + R - 1] = 1.0  # not the stale prefix
             if r.rollout_logprobs is not None:
                 rollout[b, targets] = torch.as_tensor(list(r.rollout_logprobs), dtype=torch.float32)
             if per_token[0]:
@@ -358,5 +367,5 @@ def responses_from_samples(samples: Sequence, advantages: Sequence[float] | torc
     advantages = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
-    return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs, getattr(s, "routed_experts", None))
-            for s, a in zip(samples, advantages)]
+    return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs, getattr(s, "routed_experts", None),
+                     getattr(s, "stale_prefix", 0)) for s, a in zip(samples, advantages)]

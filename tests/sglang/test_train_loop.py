@@ -154,3 +154,38 @@ def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_p
         for key in ("reward/mean", "rollout/response_length_mean"):
             assert after[key] == before[key], (key, before[key], after[key])
         assert abs(after["loss/value"] - before["loss/value"]) <= 1e-6, (before["loss/value"], after["loss/value"])
+
+
+def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model_dir, tmp_path):
+    """rollout.partial_rollout: each push goes into the batch being generated (96-token responses take longer
+    than a step's training here), which continues under the new weights. The stale prefixes are not trained:
+    a step's trained response tokens are its responses' tokens less their stale prefixes, and where every
+    sample's trained tokens came from the newest weights, mini-batch 1 sees no train-vs-rollout gap."""
+    run_dir = tmp_path / "run"
+    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
+                 "num_steps=4", "eval.interval=0", "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
+                 "rollout.partial_rollout=true", "sampling.max_new_tokens=96", "reward.fn=reward_fns:first_token_odd",
+                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "gspo.dynamic_sampling=false"]
+    proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
+                           *overrides], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    records = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "loss/value" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    steps = [records[i:i + 2] for i in range(0, 8, 2)]
+    print("\nstep, versions, partial fraction, stale token fraction, mini-batch 1 gap, sync wait: "
+          + "; ".join(f"{k + 1} {s[0]['rollout/weight_version']} {s[0]['rollout/partial_fraction']:.2f} "
+                      f"{s[0]['rollout/stale_prefix_fraction']:.2f} {s[0]['train/rollout_abs_delta_token']:.1e} "
+                      f"{s[0]['time/sync_wait_s']:.3f}" for k, s in enumerate(steps)))
+    assert steps[0][0]["rollout/partial_fraction"] == 0.0           # generated before any push
+    assert any(s[0]["rollout/partial_fraction"] > 0 for s in steps[1:]), "no push landed in a batch in flight"
+    for k, (first, second) in enumerate(steps):
+        assert first["rollout/staleness_max"] <= 1
+        responses = 16 * first["rollout/response_length_mean"]
+        trained = first["train/response_tokens"] + second["train/response_tokens"]
+        assert trained == round(responses * (1 - first["rollout/stale_prefix_fraction"])), (k, trained, responses)
+        if first["rollout/weight_version"] == str(k) and first["rollout/partial_fraction"] > 0:
+            assert first["train/rollout_abs_delta_token"] < 1e-4, first  # every trained token by these weights

@@ -61,3 +61,9 @@ def torch_loaded(sample):
 
 
 NOT_CALLABLE = 3
+
+
+def first_token_odd(sample):
+    """1.0 when the response's first token id is odd: varies within a group of a random model's samples,
+    so a run with it learns (its advantages are not all zero)."""
+    return float(sample.response_ids[0] % 2) if sample.response_ids else 0.0

@@ -183,7 +183,16 @@ def test_overlapped_rollouts_need_sglang_and_rollout_logprobs():
     with pytest.raises(ValueError, match="rollout.max_staleness > 0 needs gspo.old_logprobs=rollout"):
         load_config(TINY, ["rollout.max_staleness=1"])
     config = load_config(TINY, ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"])
-    assert config.rollout.max_staleness == 1
+    assert config.rollout.max_staleness == 1 and config.rollout.partial_rollout is False
+
+
+def test_partial_rollouts_need_overlap_and_no_rollout_routing():
+    overlap = ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"]
+    assert load_config(TINY, [*overlap, "rollout.partial_rollout=true"]).rollout.partial_rollout is True
+    with pytest.raises(ValueError, match="rollout.partial_rollout needs rollout.max_staleness > 0"):
+        load_config(TINY, ["rollout.partial_rollout=true"])
+    with pytest.raises(ValueError, match="rollout.partial_rollout is not yet supported with gspo.routing_replay=rollout"):
+        load_config(TINY, [*overlap, "rollout.partial_rollout=true", "gspo.routing_replay=rollout"])
 
 
 def test_packed_rows_rules():

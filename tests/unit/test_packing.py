@@ -214,3 +214,32 @@ def test_packed_plan_splits_a_row_when_more_micro_batches_are_needed():
     assert [mb.tokens_BS.shape for mb in split.micro_batches] == [(1, 24), (1, 12), (1, 12)]
     with pytest.raises(ValueError, match="pipeline parallelism"):
         pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, uniform=True, pack_sequences=True)
+
+
+def test_a_stale_prefix_conditions_but_is_not_trained():
+    """A partial rollout's first tokens (by older weights) keep loss_mask 0: the rows equal those of the same
+    tokens with the prefix moved into the prompt, except that the sample's log-probs stay aligned."""
+    from megatron_gspo.samples import Sample
+    from megatron_gspo.training.packing import responses_from_samples
+
+    cut = Sample(group_id=0, sample_index=0, prompt_ids=[11, 12, 13], response_ids=[21, 22, 23, 24],
+                 rollout_logprobs=[-0.1, -0.2, -0.3, -0.4], finish_reason="length", stale_prefix=2)
+    (mb,) = pack_minibatch(responses_from_samples([cut], [0.5]), dp_size=1, dp_rank=0, max_tokens=64,
+                           pad_multiple=8).micro_batches
+    assert mb.loss_mask_BS.tolist() == [[0, 0, 0, 0, 1, 1, 0, 0]]
+    assert mb.labels_BS[mb.loss_mask_BS.bool()].tolist() == [23, 24]
+    assert mb.old_logprobs_BS[mb.loss_mask_BS.bool()].tolist() == pytest.approx([-0.3, -0.4])
+    moved = Response([11, 12, 13, 21, 22], [23, 24], 0.5, [-0.3, -0.4])
+    (same,) = pack_minibatch([moved], dp_size=1, dp_rank=0, max_tokens=64, pad_multiple=8).micro_batches
+    for name in ("tokens_BS", "labels_BS", "loss_mask_BS"):
+        assert torch.equal(getattr(mb, name), getattr(same, name)), name
+    # packed rows keep each response's prefix untrained as well
+    other = Response([31], [41, 42], -0.5, [-0.5, -0.6])
+    packed = pack_minibatch(responses_from_samples([cut], [0.5]) + [other], dp_size=1, dp_rank=0, max_tokens=64,
+                            pad_multiple=2, pack_sequences=True)
+    assert sum(mb.loss_mask_BS.sum().item() for mb in packed.micro_batches) == 2 + 2
+    with pytest.raises(ValueError, match="stale_prefix 2 must leave at least one of the 2 response tokens"):
+        pack_minibatch([Response([1], [2, 3], 1.0, stale_prefix=2)], dp_size=1, dp_rank=0, max_tokens=64)
+    with pytest.raises(ValueError, match="stale_prefix 4 must leave"):
+        Sample(group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2, 3, 4, 5], rollout_logprobs=[0.0] * 4,
+               finish_reason="stop", stale_prefix=4)

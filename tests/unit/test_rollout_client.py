@@ -145,3 +145,43 @@ def test_invalid_arguments():
     with pytest.raises(ValueError, match="unique"):
         asyncio.run(RolloutClient(["http://x:1"]).generate([Prompt(0, [1]), Prompt(0, [2])], G))
     assert sglang_sampling_params(SamplingConfig(stop_token_ids=(5,)), 2)["stop_token_ids"] == [5]
+
+
+def answer(tokens, spans=None, version="7"):
+    """One /generate answer item: output ids 10, 11, ... with log-probs, optionally per-token versions."""
+    ids = list(range(10, 10 + tokens))
+    meta = {"finish_reason": {"type": "length"}, "weight_version": version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+    if spans is not None:
+        meta["weight_versions"] = spans
+    return {"output_ids": ids, "meta_info": meta, "text": "x"}
+
+
+def test_weight_version_spans_set_the_stale_prefix():
+    """A response continued after a weight push (rollout.partial_rollout): the tokens before the last
+    version's span are its stale prefix, the last span's version is the sample's."""
+    from megatron_gspo.rollout.client import parse_generate_response
+    prompt = Prompt(group_id=3, prompt_ids=[1, 2])
+    cut = answer(5, [{"version": "6", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 5}])
+    whole = answer(5, [{"version": "7", "start": 0, "end": 5}])
+    twice = answer(6, [{"version": "5", "start": 0, "end": 1}, {"version": "6", "start": 1, "end": 4},
+                       {"version": "7", "start": 4, "end": 6}])
+    samples = parse_generate_response([cut, whole, twice], prompt, 3, weight_spans=True)
+    assert [(s.weight_version, s.stale_prefix) for s in samples] == [("7", 2), ("7", 0), ("7", 4)]
+    # without spans in the answer: fine unless they are required
+    (plain,) = parse_generate_response(answer(3, version="4"), prompt, 1)
+    assert (plain.weight_version, plain.stale_prefix) == ("4", 0)
+    with pytest.raises(ServerResponseError, match="no meta_info.weight_versions"):
+        parse_generate_response(answer(3), prompt, 1, weight_spans=True)
+
+
+@pytest.mark.parametrize("spans, message", [
+    ([{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 3, "end": 5}], "do not cover"),
+    ([{"version": "1", "start": 0, "end": 4}], "cover 4 tokens, the answer has 5"),
+    ([{"version": "1", "start": 0, "end": 5}, {"version": "2", "start": 5, "end": 5}], "do not cover"),
+    ([{"version": "1", "start": 0}], "malformed"),
+])
+def test_spans_that_do_not_cover_the_response_are_errors(spans, message):
+    from megatron_gspo.rollout.client import parse_generate_response
+    with pytest.raises(ServerResponseError, match=message):
+        parse_generate_response(answer(5, spans), Prompt(group_id=0, prompt_ids=[1]), 1)

@@ -275,3 +275,32 @@ def test_eval_holds_the_background_batch_back():
     assert any(e[0] == "end" and e[1] == 3 for e in backend.events[:eval_start]), backend.events
     assert len(starts) == len(ends)
     rollout.close()
+
+
+class PausingServers(SlowServers):
+    """Servers that take a push while a batch is being generated (rollout.partial_rollout: they pause and
+    continue it); the push is recorded among the generation events."""
+
+    def sync_weights(self, named_tensors, version):
+        Backend.sync_weights(self, named_tensors, version)
+        self.version = version
+        self.events.append(("pushed", version, self.busy))
+
+
+def test_partial_rollouts_push_into_the_batch_being_generated():
+    backend = PausingServers(delay=0.4)
+    config = dataclasses.replace(CONFIG, rollout=dataclasses.replace(CONFIG.rollout, max_staleness=1,
+                                                                    partial_rollout=True),
+                                 gspo=dataclasses.replace(CONFIG.gspo, old_logprobs="rollout"))
+    rollout = Rollout(backend, Prompts(), Scorer(POOL[0], RewardConfig(fn="exact_match")), config, stop())
+    batch = rollout.generate(0)
+    rollout.prefetch(batch, remaining=10)
+    time.sleep(0.05)                                         # the next batch is being generated
+    rollout.sync_weights(lambda: iter([("w", None)]), "1")
+    assert ("pushed", "1", 1) in backend.events              # while it was busy: nothing waited
+    assert rollout.sync_wait_s < 0.2
+    assert ("end", 3, "1") not in backend.events             # the push returned before the batch ended
+    second = rollout.generate(3)
+    assert backend.events.index(("pushed", "1", 1)) < backend.events.index(("end", 3, "1"))
+    assert {s.weight_version for g in second.scored.groups for s in g} == {"1"}
+    rollout.close()
