@@ -304,3 +304,57 @@ def test_partial_rollouts_push_into_the_batch_being_generated():
     assert backend.events.index(("pushed", "1", 1)) < backend.events.index(("end", 3, "1"))
     assert {s.weight_version for g in second.scored.groups for s in g} == {"1"}
     rollout.close()
+
+
+class ClientBackend:
+    """The SGLang backend's rollout path (rollout/client.py's RolloutClient) over fake servers that run on an
+    event loop of their own thread, as real servers run in processes of their own."""
+
+    collective = False
+
+    def __init__(self, client):
+        self.client, self.pushed = client, []
+
+    async def generate(self, prompts, *, n=None, sampling=None, on_group=None):
+        return await self.client.generate(prompts, n or G, on_group=on_group)
+
+    def sync_weights(self, named_tensors, version):
+        self.pushed.append(version)
+
+    def close(self):
+        pass
+
+
+def test_a_server_dying_mid_overlap_loses_no_sample():
+    """One of two servers dies while the batch generated ahead is in flight: its groups go to the other
+    server, and the batch the trainer gets has every group whole, each sample exactly once."""
+    import asyncio
+    import threading
+    from fake_sglang_server import FakeSGLang
+    from megatron_gspo.rollout.client import ClientConfig, RolloutClient
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    dying, healthy = FakeSGLang(name="a", die_after=3, delay_s=0.05), FakeSGLang(name="b", delay_s=0.05)
+    for server in (dying, healthy):
+        asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result()
+    try:
+        client = RolloutClient([dying.url, healthy.url], ClientConfig(concurrency_per_server=1, retry_backoff_s=0.01))
+        rollout = overlapping(1, ClientBackend(client))
+        first = rollout.generate(0)                         # 3 groups: server a answers 2 of them
+        assert dying.answered == 2 and not dying.dead
+        rollout.prefetch(first, remaining=5)                # the next batch: a dies at its 4th request
+        second = rollout.generate(first.next_position)
+        assert dying.dead and dying.answered == 3
+        groups = second.scored.groups
+        assert [g[0].group_id for g in groups] == [3, 4, 5]
+        assert all([s.sample_index for s in g] == list(range(G)) for g in groups)
+        assert all(s.response_ids[0] // 100 == g[0].group_id + 1 for g in groups for s in g)  # the group's own
+        assert dying.answered + healthy.answered == 6       # 6 groups delivered, none twice
+        rollout.close()
+    finally:
+        for server in (dying, healthy):
+            server.kill()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
