@@ -92,7 +92,8 @@ class ParallelConfig:
     pack_sequences: bool = False
     """Several responses per micro-batch row, each attending only to itself (training/packing.py): less
     padding when response lengths vary. Needs the local attention spec (CPU; Transformer Engine's packed
-    format, THD, is not wired here) and pp = 1; not yet with gspo.routing_replay."""
+    format, THD, is not wired here) and pp = 1. Works with gspo.routing_replay (each response's routing goes
+    to its place in its row)."""
 
     def __post_init__(self):
         _positive("parallel", self, "tp", "pp", "cp", "ep", "dp", "max_tokens_per_microbatch")
@@ -198,6 +199,11 @@ class RolloutConfig:
     once, sampling_params.n = G: one prefill shared by the G samples) or copies (the prompt G times with
     n = 1: no warm-up round trip, one message to the scheduler; faster for short prompts and with the
     radix cache off, e.g. the CPU demo). See rollout/client.py:ClientConfig.parallel_sampling."""
+    groups_per_request: int = 1
+    """Groups sent to SGLang in one /generate request. 1: one request per group, scored the moment it
+    finishes; more: fewer requests (SGLang's per-request cost dominates very short responses), each
+    request's groups scored when all of them are done and retried together. See
+    rollout/client.py:ClientConfig.groups_per_request."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
     under run_dir/weights that the servers read; needs a file system they share), tensor (shared
@@ -224,7 +230,7 @@ class RolloutConfig:
     share of response tokens not trained."""
 
     def __post_init__(self):
-        _positive("rollout", self, "num_servers", "concurrency")
+        _positive("rollout", self, "num_servers", "concurrency", "groups_per_request")
         _check(not self.partial_rollout or self.max_staleness > 0, "rollout.partial_rollout",
                "needs rollout.max_staleness > 0 (a synchronous run has no batch in flight when it pushes weights)",
                self.partial_rollout)
@@ -470,9 +476,6 @@ class TrainConfig:
                "> 0 needs gspo.old_logprobs=rollout: the batch was sampled by older weights, so pi_old must be the "
                "sampler's log-probs (GSPO's sequence ratio tolerates the engine's log-probs; arXiv 2507.18071 "
                "section 4.3), not a recompute under the current weights", self.rollout.max_staleness)
-        _check(not (self.parallel.pack_sequences and self.gspo.routing_replay != "off"), "parallel.pack_sequences",
-               "is not yet supported with gspo.routing_replay (the replayed routing of packed rows is untested); "
-               "set one of them off", self.parallel.pack_sequences)
         _check(not (self.rollout.partial_rollout and self.gspo.routing_replay == "rollout"), "rollout.partial_rollout",
                "is not yet supported with gspo.routing_replay=rollout (the routing SGLang reports for a response "
                "continued under new weights is untested); set one of them off", self.rollout.partial_rollout)

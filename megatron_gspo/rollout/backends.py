@@ -78,7 +78,8 @@ class SGLangBackend:
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
             client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s,
-                                  parallel_sampling=r.parallel_sampling, weight_spans=r.partial_rollout)
+                                  parallel_sampling=r.parallel_sampling, weight_spans=r.partial_rollout,
+                                  groups_per_request=r.groups_per_request)
             self._eval_client = RolloutClient(self.urls, client)
             self._client = (RolloutClient(self.urls, dataclasses.replace(client, routed_experts=routing))
                             if routing is not None else self._eval_client)

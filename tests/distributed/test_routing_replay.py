@@ -15,7 +15,8 @@ from tests.torchrun import run_checks
 WORKER = Path(__file__).parent / "workers" / "routing_replay.py"
 CHECKS = 13  # per rank, reference included: 9 in each run's own checks + 4 comparisons
 
-# name: (processes, tp, pp, cp, ep, max tokens per micro-batch); 64 tokens: 3-4 micro-batches per mini-batch.
+# name: (processes, tp, pp, cp, ep, max tokens per micro-batch[, packed rows]); 64 tokens: 3-4 micro-batches per
+# mini-batch.
 LAYOUTS = {
     "microbatches4": (1, 1, 1, 1, 1, 64),
     "ep2": (2, 1, 1, 1, 2, 8192),
@@ -23,6 +24,9 @@ LAYOUTS = {
     "tp2xep2": (4, 2, 1, 1, 2, 8192),
     "pp2": (2, 1, 2, 1, 1, 64),
     "cp2": (2, 1, 1, 2, 1, 8192),
+    "packed_microbatches4": (1, 1, 1, 1, 1, 64, 1),
+    "packed_ep2": (2, 1, 1, 1, 2, 64, 1),
+    "packed_cp2": (2, 1, 1, 2, 1, 64, 1),
 }
 
 
@@ -37,15 +41,17 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_routing_replay_matches_tp1_reference(reference, name):
     nproc, *layout = LAYOUTS[name]
-    run_checks(WORKER, nproc, reference, name, *layout, checks=CHECKS, timeout=300)
+    run_checks(WORKER, nproc, reference, name, *layout, checks=CHECKS + (len(layout) > 5), timeout=300)
 
 
 ROLLOUT_WORKER = Path(__file__).parent / "workers" / "rollout_routing.py"
-ROLLOUT_LAYOUTS = {  # name: (processes, tp, pp, cp, ep)
+ROLLOUT_LAYOUTS = {  # name: (processes, tp, pp, cp, ep[, packed rows])
     "tp2": (2, 2, 1, 1, 1),
     "cp2": (2, 1, 1, 2, 1),
     "pp2": (2, 1, 2, 1, 1),
     "ep2": (2, 1, 1, 1, 2),
+    "packed": (1, 1, 1, 1, 1, 1),
+    "packed_ep2": (2, 1, 1, 1, 2, 1),
 }
 
 
@@ -61,4 +67,4 @@ def rollout_reference(tmp_path_factory):
 def test_rollout_routing_replay_with_the_megatron_sampler(rollout_reference, name):
     """gspo.routing_replay=rollout: the sampler's recorded routing (same at every layout), replayed by the trainer."""
     nproc, *layout = ROLLOUT_LAYOUTS[name]
-    run_checks(ROLLOUT_WORKER, nproc, rollout_reference, name, *layout, checks=5, timeout=300)
+    run_checks(ROLLOUT_WORKER, nproc, rollout_reference, name, *layout, checks=5 + (len(layout) > 4), timeout=300)

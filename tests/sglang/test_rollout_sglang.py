@@ -21,14 +21,18 @@ def client(servers, **overrides):
     return RolloutClient([s.url for s in servers], ClientConfig(api_key=API_KEY, **overrides))
 
 
-@pytest.mark.parametrize("temperature, parallel_sampling", [(1.0, "n"), (0.7, "copies")])
-def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_model, temperature, parallel_sampling):
+@pytest.mark.parametrize("temperature, parallel_sampling, groups_per_request",
+                         [(1.0, "n", 1), (0.7, "copies", 1), (1.0, "n", 4), (1.0, "copies", 4)])
+def test_groups_with_logprobs_match_float32_recompute(servers, tokenizer, hf_model, temperature, parallel_sampling,
+                                                      groups_per_request):
     """Also: the servers run the CPU plugin's batched attention (platform/sglang_cpu_stubs/), whose
-    log-probs are the ones checked here; both ways of asking for a group's samples."""
+    log-probs are the ones checked here; both ways of asking for a group's samples, one group per request
+    or several (SGLang's batch form: a sample given to the wrong prompt fails the recompute)."""
     assert all(INSTALLED in s.log_path.read_text(errors="replace") for s in servers)
     prompts = make_prompts(tokenizer, 6)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=24)
-    groups, stats = client(servers, parallel_sampling=parallel_sampling).generate_sync(prompts, G, sampling)
+    groups, stats = client(servers, parallel_sampling=parallel_sampling,
+                           groups_per_request=groups_per_request).generate_sync(prompts, G, sampling)
     assert [g[0].group_id for g in groups] == list(range(6))
     deltas = []
     for prompt, group in zip(prompts, groups):

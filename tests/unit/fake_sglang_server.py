@@ -98,9 +98,11 @@ class FakeSGLang:
         await asyncio.sleep(self.delay_s)
         # One prompt with n samples, or (a batch, as SGLang takes one) prompts one after another with n each.
         batch = payload["input_ids"] if isinstance(payload["input_ids"][0], list) else [payload["input_ids"]]
-        samples = [prompt for prompt in batch for _ in range(payload["sampling_params"]["n"])]
+        n = payload["sampling_params"]["n"]
+        samples = [prompt for prompt in batch for _ in range(n)]
         items = []
-        for i, prompt in enumerate(samples):
+        for k, prompt in enumerate(samples):
+            i = k % n if n > 1 else batch[:k].count(prompt)  # the sample's index among its prompt's samples
             first = prompt[0]
             ids = [first * 100 + i * 10 + t for t in range(self.response_len)]
             logprobs = [[None if self.null_logprob and t == 1 else -0.5, tok, None] for t, tok in enumerate(ids)]

@@ -199,5 +199,5 @@ def test_packed_rows_rules():
     assert load_config(TINY, ["parallel.pack_sequences=true"]).parallel.pack_sequences is True
     with pytest.raises(ValueError, match="parallel.pack_sequences needs pp = 1"):
         load_config(TINY, ["parallel.pack_sequences=true", "parallel.pp=2", "parallel.tp=1"])
-    with pytest.raises(ValueError, match="parallel.pack_sequences is not yet supported with gspo.routing_replay"):
-        load_config(TINY, ["parallel.pack_sequences=true", "gspo.routing_replay=old"])
+    both = load_config(TINY, ["parallel.pack_sequences=true", "gspo.routing_replay=old"])  # tested together
+    assert both.parallel.pack_sequences and both.gspo.routing_replay == "old"

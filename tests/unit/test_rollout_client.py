@@ -185,3 +185,25 @@ def test_spans_that_do_not_cover_the_response_are_errors(spans, message):
     from megatron_gspo.rollout.client import parse_generate_response
     with pytest.raises(ServerResponseError, match=message):
         parse_generate_response(answer(5, spans), Prompt(group_id=0, prompt_ids=[1]), 1)
+
+
+@pytest.mark.parametrize("parallel_sampling", ["n", "copies"])
+def test_several_groups_per_request_come_back_whole_and_in_order(parallel_sampling):
+    """groups_per_request=3: 8 groups in requests of 3, 3 and 2 (SGLang's batch form); a server dying mid-call
+    has its request's groups sent again together, none lost or duplicated; on_group sees every group once."""
+    seen = []
+
+    async def main():
+        async with FakeSGLang(name="a", die_after=1) as a, FakeSGLang(name="b") as b:
+            config = ClientConfig(parallel_sampling=parallel_sampling, groups_per_request=3, **FAST)
+            groups, stats = await RolloutClient([a.url, b.url], config).generate(prompts(8), G, on_group=seen.append)
+            return groups, stats, a, b
+    groups, stats, a, b = run(main())
+    assert_complete(groups, 8)
+    assert sorted(g[0].group_id for g in seen) == list(range(8))
+    payloads = a.received + b.received
+    sizes = sorted(len(p["input_ids"]) // (G if parallel_sampling == "copies" else 1) for p in payloads)
+    assert set(sizes) == {2, 3} and sizes.count(2) >= 1 and sizes.count(3) >= 2
+    failed = {gid for _, gid, _ in stats.failures}          # a request's groups fail and go again together
+    assert failed and all(chunk <= failed or not chunk & failed for chunk in ({0, 1, 2}, {3, 4, 5}, {6, 7}))
+    assert a.answered + b.answered == 3 and a.url in stats.retired  # each request delivered once

@@ -1,6 +1,9 @@
 """Rollout Routing Replay (gspo.routing_replay=rollout) with the in-process Megatron sampler, one layout per launch.
 
-usage: torchrun --nproc-per-node N rollout_routing.py WORKDIR NAME TP PP CP EP
+usage: torchrun --nproc-per-node N rollout_routing.py WORKDIR NAME TP PP CP EP [PACKED]
+
+PACKED 1: the trainer packs several responses per row (parallel.pack_sequences); each response's routing
+goes to its place in its row.
 
 The tiny Qwen3-MoE samples 4 prompts x 4 with routing recorded (Sample.routed_experts), then trains on
 them with GRPO, K = 2 mini-batches, SGD lr 0.1 (routing_replay.py's tiny_moe), routing_replay="rollout". Checks:
@@ -30,7 +33,7 @@ from megatron_gspo.rollout.megatron_backend import MegatronGenerator
 from megatron_gspo.samples import Prompt
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import responses_from_samples
-from megatron_gspo.training.step import StepSettings, train_on_batch
+from megatron_gspo.training.step import StepSettings, _pack, split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
 from routing_replay import RouterLog, tiny_moe
@@ -41,13 +44,15 @@ G, K = 4, 2
 
 def prompts() -> list[Prompt]:
     g = torch.Generator().manual_seed(5)
-    return [Prompt(group_id=i, prompt_ids=torch.randint(1, TINY_MOE.vocab_size, (3 + 2 * i,), generator=g).tolist())
-            for i in range(4)]
+    # one long prompt: the rows of packed training (as long as the longest response) then hold several short ones
+    return [Prompt(group_id=i, prompt_ids=torch.randint(1, TINY_MOE.vocab_size, (n,), generator=g).tolist())
+            for i, n in enumerate((3, 4, 5, 24))]
 
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
     tp, pp, cp, ep = map(int, sys.argv[3:7])
+    pack_sequences = len(sys.argv) > 7 and sys.argv[7] == "1"
     layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1234)
     model, _, optimizer = tiny_moe(workdir, name, layout, pgs)
@@ -80,7 +85,12 @@ def main() -> None:
     responses = responses_from_samples(samples, group_advantages(rewards, G).advantages_R)
     log = RouterLog(routing)
     settings = StepSettings(loss=LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size),
-                            num_minibatches=K, routing_replay="rollout", max_tokens_per_microbatch=64)
+                            num_minibatches=K, routing_replay="rollout", max_tokens_per_microbatch=64,
+                            pack_sequences=pack_sequences)
+    if pack_sequences:
+        with check("responses are packed several to a row"):
+            plans = [_pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]
+            assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
     records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, routing=routing)
     with check("unchanged weights: the trainer routes like the sampler and its log-probs match"):
         for r in records:

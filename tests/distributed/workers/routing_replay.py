@@ -1,6 +1,9 @@
 """MoE Routing Replay through the trainer's own step (training/step.py train_on_batch), one layout per launch.
 
-usage: torchrun --nproc-per-node N routing_replay.py WORKDIR NAME TP PP CP EP MAX_TOKENS_PER_MICROBATCH
+usage: torchrun --nproc-per-node N routing_replay.py WORKDIR NAME TP PP CP EP MAX_TOKENS_PER_MICROBATCH [PACKED]
+
+PACKED 1: packed rows (parallel.pack_sequences: several responses per row), compared with the reference's
+one response per row.
 
 The tiny Qwen3-MoE, GRPO (the paper's replay baseline), K = 2 mini-batches of 8 responses, SGD (lr 0.1, no
 momentum: a large step, so that routing moves and a mis-scaled gradient shows). Two runs from the same
@@ -29,7 +32,7 @@ from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import Response
-from megatron_gspo.training.step import StepSettings, train_on_batch
+from megatron_gspo.training.step import StepSettings, _pack, split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
 from trainer_common import parallel_layout
@@ -95,6 +98,7 @@ def tiny_moe(workdir: Path, name: str, layout, pgs):
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
     tp, pp, cp, ep, max_tokens = map(int, sys.argv[3:8])
+    pack_sequences = len(sys.argv) > 8 and sys.argv[8] == "1"
     layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1234)
     model, module, optimizer = tiny_moe(workdir, name, layout, pgs)
@@ -103,12 +107,17 @@ def main() -> None:
     batch = responses()
     loss = LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size)
 
+    if pack_sequences:
+        with check("responses are packed several to a row"):
+            plans = [_pack(mini, pgs, max_tokens, True) for mini in split_minibatches(batch, K)]
+            assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
     results = {}
     for i, mode in enumerate(("old", "off")):
         if i:  # the next mode starts from the same initial weights
             reference_weights(module, workdir)
         log.clear()
-        settings = StepSettings(loss=loss, num_minibatches=K, routing_replay=mode, max_tokens_per_microbatch=max_tokens)
+        settings = StepSettings(loss=loss, num_minibatches=K, routing_replay=mode, max_tokens_per_microbatch=max_tokens,
+                                pack_sequences=pack_sequences)
         records = train_on_batch(model, optimizer, batch, settings, pgs=pgs, routing=routing)
         check_router_log(log, mode, int(sum(r["microbatches"] for r in records)), int(records[0]["microbatches"]))
         check_records(records, mode)
