@@ -145,3 +145,39 @@ def test_broadcast_sync_by_nccl(served, perturbed):
             check_sync_delivers_and_restores(url, sync, served, perturbed, "nccl")
         finally:
             broadcast.close()
+
+
+def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
+    """rollout.partial_rollout on CUDA: a CUDA-IPC push while 6 long requests generate pauses them (retract),
+    loads the new weights and continues them; the tokens after each response's stale prefix carry the new
+    weights' log-probs (tests/sglang/test_partial_rollout_sglang.py checks the same on CPU in float32)."""
+    import threading
+    import time
+
+    client = RolloutClient([served.url], ClientConfig(weight_spans=True))
+    prompts = [Prompt(i, [40 + i, 41, 42]) for i in range(6)]
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=client.generate_sync(
+        prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=2000))))
+    worker.start()
+    try:
+        time.sleep(0.5)
+        on_gpu = [(k, v.cuda()) for k, v in perturbed.changed.items()]
+        sync_by_tensor([served.url], on_gpu, "partial-1", bucket_bytes=1 << 20, pause_generation=True)
+        worker.join(timeout=300)
+        samples = [s for g in result["out"][0] for s in g]
+        cut = [s for s in samples if s.stale_prefix]
+        print(f"{served.kind} partial: {len(cut)} of {len(samples)} responses cut by the push, stale prefixes "
+              f"{[s.stale_prefix for s in cut]} of {[len(s.response_ids) for s in cut]} tokens")
+        assert cut, "no response was in flight at the push (responses ended early?)"
+        for s in cut:
+            assert s.weight_version == "partial-1"
+            tail = dataclasses.replace(s, prompt_ids=s.prompt_ids + s.response_ids[:s.stale_prefix],
+                                       response_ids=s.response_ids[s.stale_prefix:],
+                                       rollout_logprobs=s.rollout_logprobs[s.stale_prefix:], stale_prefix=0)
+            new_error, old_error = logprob_error([tail], perturbed.model), logprob_error([tail], served.hf)
+            assert new_error < BF16_MEAN_TOLERANCE and new_error < 0.5 * old_error, (new_error, old_error)
+    finally:
+        worker.join(timeout=300)
+        sync_by_tensor([served.url], [(k, v.cuda()) for k, v in perturbed.original.items()], "0",
+                       bucket_bytes=1 << 20)
