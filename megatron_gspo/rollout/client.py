@@ -2,7 +2,8 @@
 
 One `/generate` request per prompt with `n = G`, or per `groups_per_request` prompts (SGLang's batch
 form; the request is the unit of work and of retry: its groups are either returned whole by one server
-or sent again, so a group never mixes samples of two attempts and no sample is lost or duplicated). Requests are spread round-robin over the live servers, at most
+or sent again, so a group never mixes samples of two attempts and no sample is lost or duplicated).
+Requests are spread round-robin over the live servers, at most
 `concurrency_per_server` in flight on each. A request that fails in transit (connection refused or
 reset, timeout, HTTP 5xx, an aborted sample) is retried on another server; a server that fails
 `max_server_failures` times in a row is retired for the rest of the call. Errors that a retry cannot
@@ -212,7 +213,8 @@ class RolloutClient:
             k = cfg.groups_per_request
             tasks = [asyncio.create_task(run_request(prompts[i:i + k])) for i in range(0, len(prompts), k)]
             try:
-                groups = [g for chunk in await asyncio.gather(*tasks) for g in chunk]  # raises the first fatal error ...
+                # raises the first fatal error ...
+                groups = [g for chunk in await asyncio.gather(*tasks) for g in chunk]
             except BaseException:
                 for task in tasks:  # ... after which the other groups are cancelled, not left running
                     task.cancel()
@@ -256,8 +258,9 @@ class RolloutClient:
                 raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
             items = [body] if isinstance(body, dict) else body
             if len(prompts) > 1 and (not isinstance(items, list) or len(items) != n * len(prompts)):
+                got = len(items) if isinstance(items, list) else type(items).__name__
                 raise ServerResponseError(f"server {url}: expected {n * len(prompts)} samples for {len(prompts)} "
-                                          f"groups, got {len(items) if isinstance(items, list) else type(items).__name__}")
+                                          f"groups, got {got}")
             groups = [parse_generate_response(items[i * n:(i + 1) * n] if len(prompts) > 1 else body, p, n, url,
                                               routing=routing, weight_spans=self.config.weight_spans)
                       for i, p in enumerate(prompts)]

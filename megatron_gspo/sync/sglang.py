@@ -322,7 +322,8 @@ class BroadcastSync:
 
     def __init__(self, urls: list[str], api_key: str | None = None, master_address: str | None = None,
                  master_port: int | None = None, backend: str = "gloo", tp_sizes: list[int] | None = None,
-                 group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0, pause_generation: bool = False):
+                 group_name: str = "megatron_gspo_weights", timeout_s: float = 600.0,
+                 pause_generation: bool = False):
         self.admins = _admins(urls, api_key)
         self.pause_generation = pause_generation
         self.master_address = master_address or address_towards(urls[0])
