@@ -158,7 +158,7 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
     prompts = [Prompt(i, [40 + i, 41, 42]) for i in range(6)]
     result = {}
     worker = threading.Thread(target=lambda: result.update(out=client.generate_sync(
-        prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=2000))))
+        prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=1000))))
     worker.start()
     try:
         time.sleep(0.5)
