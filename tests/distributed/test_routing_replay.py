@@ -37,8 +37,16 @@ def reference(tmp_path_factory):
     return workdir
 
 
+SLOW = {"packed_microbatches4", "packed_cp2", "packed"}
+"""Packed-row layouts beyond EP2 (-m slow): each path of packed rows with replay runs in the default suite at EP2."""
+
+
+def layouts(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_routing_replay_matches_tp1_reference(reference, name):
     nproc, *layout = LAYOUTS[name]
     run_checks(WORKER, nproc, reference, name, *layout, checks=CHECKS + (len(layout) > 5), timeout=300)
@@ -63,7 +71,7 @@ def rollout_reference(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ROLLOUT_LAYOUTS)
+@pytest.mark.parametrize("name", layouts(ROLLOUT_LAYOUTS))
 def test_rollout_routing_replay_with_the_megatron_sampler(rollout_reference, name):
     """gspo.routing_replay=rollout: the sampler's recorded routing (same at every layout), replayed by the trainer."""
     nproc, *layout = ROLLOUT_LAYOUTS[name]
