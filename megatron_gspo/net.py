@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import random
 import socket
 import ssl
 
@@ -13,6 +14,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the OS hands out for bind(0) and outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def server_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A TCP port free on `host` now and outside the OS's ephemeral range, for a server that binds it only
+    seconds later. An ephemeral port (`free_port`) can meanwhile be given to another socket of this
+    machine: an SGLang server started beside Megatron's initialisation, whose gloo groups open many
+    sockets on ephemeral ports, once found its port taken ("address already in use")."""
+    rng = rng or random.Random()
+    low = ephemeral_port_range()[0]
+    if low <= 20000:
+        return free_port(host)
+    for _ in range(100):
+        port = rng.randint(20000, low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from megatron_gspo.net import auth_headers, free_port
+from megatron_gspo.net import auth_headers, server_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_STUBS_DIR = Path(__file__).resolve().parents[1] / "platform" / "sglang_cpu_stubs"
@@ -123,12 +123,16 @@ class ServerConfig:
         check_sglang_python(self.python)
 
 
+PORT_TAKEN = "address already in use"
+"""What SGLang's HTTP server (uvicorn) logs when its port is taken."""
+
+
 class SGLangServer:
     """One SGLang server subprocess. Use as a context manager, or start() / wait_ready() / stop()."""
 
     def __init__(self, config: ServerConfig, port: int | None = None, gpu_id: int | None = None):
         self.config = config
-        self.port = port or free_port(config.host)
+        self.port = port or server_port(config.host)
         self.gpu_id = gpu_id
         self.url = f"http://{config.host}:{self.port}"
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="sglang-logs-"))
@@ -201,6 +205,9 @@ class SGLangServer:
             if health_generate(self.url, self.config.api_key, timeout_s=10):
                 self.ready_after_s = time.monotonic() - self._started_at
                 return self.ready_after_s
+            if PORT_TAKEN in self.log_tail():  # SGLang then hangs in its shutdown instead of exiting
+                raise ServerStartError(f"SGLang server {self.url}: port {self.port} was taken before the server "
+                                       f"bound it ({PORT_TAKEN}); log {self.log_path}, last lines:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise ServerStartError(f"SGLang server {self.url} not ready after "
                                        f"{timeout_s or self.config.startup_timeout_s:.0f} s; "

@@ -2,6 +2,7 @@
 import dataclasses
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -48,6 +49,35 @@ def test_server_that_exits_reports_its_log_tail(tmp_path):
     with pytest.raises(ServerStartError, match=r"exited with code 3(.|\n)*model is broken"):
         server.wait_ready(timeout_s=20)
     server.stop()
+
+
+def test_a_taken_port_fails_at_once_not_after_the_start_up_timeout(tmp_path):
+    """SGLang's HTTP server logs the bind error and then hangs in its shutdown instead of exiting."""
+    python = fake_python(tmp_path, 'echo "ERROR:    [Errno 98] error while attempting to bind on address '
+                                   '(\'127.0.0.1\', 1): address already in use"\nexec sleep 300\n')
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server.start()
+    start = time.monotonic()
+    with pytest.raises(ServerStartError, match=f"port {server.port} was taken"):
+        server.wait_ready(timeout_s=120)
+    assert time.monotonic() - start < 30
+    server.stop()
+
+
+def test_server_ports_are_free_and_outside_the_ephemeral_range():
+    """The OS hands ephemeral ports to other sockets (bind(0), outgoing connections) at any time; a port
+    below that range stays free until the server binds it, unless someone binds it by number."""
+    import random
+
+    from megatron_gspo.net import ephemeral_port_range, server_port
+    low, _ = ephemeral_port_range()
+    ports = {server_port(rng=random.Random(seed)) for seed in range(20)}
+    assert len(ports) > 10 and all(20000 <= p < low for p in ports), (low, sorted(ports))
+    with socket.socket() as taken:  # a port in use is never returned
+        taken.bind(("127.0.0.1", min(ports)))
+        taken.listen()
+        again = {server_port(rng=random.Random(seed)) for seed in range(20)}
+        assert min(ports) not in again
 
 
 def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
