@@ -36,7 +36,7 @@ from megatron_gspo.rollout.client import ClientConfig, RolloutClient
 from megatron_gspo.rollout.server import ServerConfig, launch_servers
 from megatron_gspo.samples import Prompt
 from megatron_gspo.sync.sglang import BroadcastSync, ServerAdmin, sync_by_tensor, write_hf_checkpoint
-from tests.sglang.sglang_test_utils import recompute_logprobs
+from tests.sglang.sglang_test_utils import push_during_rollout, recompute_logprobs
 from tests.tiny_hf import read_all
 
 pytestmark = [pytest.mark.gpu, *skip_unless(cuda_missing(), sglang_cuda_missing())]
@@ -151,21 +151,13 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
     """rollout.partial_rollout on CUDA: a CUDA-IPC push while 6 long requests generate pauses them (retract),
     loads the new weights and continues them; the tokens after each response's stale prefix carry the new
     weights' log-probs (tests/sglang/test_partial_rollout_sglang.py checks the same on CPU in float32)."""
-    import threading
-    import time
-
     client = RolloutClient([served.url], ClientConfig(weight_spans=True))
     prompts = [Prompt(i, [40 + i, 41, 42]) for i in range(6)]
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(out=client.generate_sync(
-        prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=1000))))
-    worker.start()
+    on_gpu = [(k, v.cuda()) for k, v in perturbed.changed.items()]
     try:
-        time.sleep(0.5)
-        on_gpu = [(k, v.cuda()) for k, v in perturbed.changed.items()]
-        sync_by_tensor([served.url], on_gpu, "partial-1", bucket_bytes=1 << 20, pause_generation=True)
-        worker.join(timeout=300)
-        samples = [s for g in result["out"][0] for s in g]
+        samples, _ = push_during_rollout(client, prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=1000),
+                                         lambda: sync_by_tensor([served.url], on_gpu, "partial-1",
+                                                                bucket_bytes=1 << 20, pause_generation=True))
         cut = [s for s in samples if s.stale_prefix]
         print(f"{served.kind} partial: {len(cut)} of {len(samples)} responses cut by the push, stale prefixes "
               f"{[s.stale_prefix for s in cut]} of {[len(s.response_ids) for s in cut]} tokens")
@@ -178,6 +170,5 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
             new_error, old_error = logprob_error([tail], perturbed.model), logprob_error([tail], served.hf)
             assert new_error < BF16_MEAN_TOLERANCE and new_error < 0.5 * old_error, (new_error, old_error)
     finally:
-        worker.join(timeout=300)
         sync_by_tensor([served.url], [(k, v.cuda()) for k, v in perturbed.original.items()], "0",
                        bucket_bytes=1 << 20)

@@ -1,4 +1,8 @@
-"""Shared by the sglang-tier tests: the servers' API key, prompts, a float32 log-prob recompute."""
+"""Shared by the sglang-tier tests (and the GPU ones): the servers' API key, prompts, a float32 log-prob
+recompute, a weight push while a rollout runs."""
+import threading
+import time
+
 import torch
 
 from megatron_gspo.dev.tiny_model import arithmetic_corpus
@@ -20,3 +24,21 @@ def recompute_logprobs(model, sample, temperature):
     P = len(sample.prompt_ids)
     logprobs = torch.log_softmax(logits[P - 1:-1] / temperature, dim=-1)
     return logprobs.gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+
+
+def push_during_rollout(client, prompts, n, sampling, push, delay_s=0.5):
+    """`client` rolls out n samples of each prompt in a background thread; `push()` runs `delay_s` after it
+    started, while the requests generate. Returns every sample, group after group, once the rollout ended,
+    and the seconds the push took."""
+    result, push_s = {}, None
+    rollout = threading.Thread(target=lambda: result.update(out=client.generate_sync(prompts, n, sampling)))
+    rollout.start()
+    try:
+        time.sleep(delay_s)
+        start = time.perf_counter()
+        push()
+        push_s = time.perf_counter() - start
+    finally:
+        rollout.join(timeout=300)
+    assert "out" in result, "the rollout did not finish after the push"
+    return [s for group in result["out"][0] for s in group], push_s

@@ -6,8 +6,6 @@ weights' log-probs, the ones after it the new weights' (their prefix prefilled a
 weights), both checked against a float32 transformers recompute.
 """
 import copy
-import threading
-import time
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from megatron_gspo.config import SamplingConfig
 from megatron_gspo.rollout.client import ClientConfig, RolloutClient
 from megatron_gspo.samples import Prompt
 from megatron_gspo.sync.sglang import DiskSync, ServerAdmin
-from sglang_test_utils import API_KEY, recompute_logprobs
+from sglang_test_utils import API_KEY, push_during_rollout, recompute_logprobs
 
 pytestmark = pytest.mark.sglang
 
@@ -31,19 +29,10 @@ def test_a_push_into_requests_in_flight_continues_them_under_the_new_weights(ser
     new_model.load_state_dict(perturbed)
     client = RolloutClient(urls, ClientConfig(api_key=API_KEY, weight_spans=True))
     prompts = [Prompt(group_id=i, prompt_ids=[40 + i, 41, 42]) for i in range(4)]
-    result = {}
-    rollout = threading.Thread(target=lambda: result.update(out=client.generate_sync(
-        prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=400))))
     sync = DiskSync(urls, tmp_path / "weights", tiny_model_dir, api_key=API_KEY, pause_generation=True)
-    rollout.start()
     try:
-        time.sleep(0.5)                                    # the requests are generating
-        start = time.perf_counter()
-        sync.push(perturbed.items(), "partial-1")
-        push_s = time.perf_counter() - start
-        rollout.join(timeout=300)
-        assert "out" in result, "the rollout did not finish after the push"
-        samples = [s for group in result["out"][0] for s in group]
+        samples, push_s = push_during_rollout(client, prompts, 2, SamplingConfig(temperature=1.0, max_new_tokens=400),
+                                              lambda: sync.push(perturbed.items(), "partial-1"))
         cut = [s for s in samples if s.stale_prefix]
         print(f"\npush {push_s:.2f} s; {len(cut)} of {len(samples)} responses cut, stale prefixes "
               f"{[s.stale_prefix for s in cut]} of {[len(s.response_ids) for s in cut]} tokens")
@@ -62,6 +51,5 @@ def test_a_push_into_requests_in_flight_continues_them_under_the_new_weights(ser
         assert (torch.tensor(s.rollout_logprobs[:s.stale_prefix])
                 - recompute_logprobs(new_model, s, 1.0)[:s.stale_prefix]).abs().max() > 1e-2
     finally:
-        rollout.join(timeout=300)
         DiskSync(urls, tmp_path / "restore", tiny_model_dir, api_key=API_KEY).push(original.items(), "default")
     assert all(ServerAdmin(u, API_KEY).weight_version() == "default" for u in urls)

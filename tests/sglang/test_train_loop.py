@@ -25,6 +25,16 @@ def load_safetensors(folder) -> dict:
     return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def train(*overrides: str, path: str = str(REPO)) -> str:
+    """`megatron-gspo train examples/tiny_cpu.yaml OVERRIDES` in a subprocess with PYTHONPATH `path`; it must
+    succeed. Returns its output."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
+                           *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return proc.stdout
+
+
 def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
@@ -32,10 +42,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
                  f"checkpoint.export_hf={run_dir / 'hf_final'}",
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]  # a random model scores ~0: no extra rounds
-    proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
-                           *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    output = train(*overrides)
 
     everything = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in everything if "loss/value" in r]
@@ -45,7 +52,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     assert [(r["step"], r["rollout_step"]) for r in evals] == [(0, 0), (4, 2)], everything
     assert all(0 <= r["eval/held_out/mean@16"] <= r["eval/held_out/pass@16"] <= 1 and r["eval/held_out/prompts"] == 10
                for r in evals)
-    assert "eval held_out after step 2: mean@16" in proc.stdout
+    assert "eval held_out after step 2: mean@16" in output
     assert all(0.0 <= r["reward/mean"] <= 1.0 and r["loss/clipped_fraction_seq"] is not None for r in records)
     # Mini-batch 1 of each step is on-policy (recomputed old log-probs): nothing can be clipped.
     assert records[0]["loss/clipped_fraction_seq"] == records[2]["loss/clipped_fraction_seq"] == 0.0
@@ -126,16 +133,12 @@ def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_p
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]
 
-    def train(*extra):
-        proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train",
-                               str(REPO / "examples/tiny_cpu.yaml"), *overrides, *extra], cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:]
+    def train_records():
+        train(*overrides)
         return [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
                 if "loss/value" in r]
 
-    records = train()
+    records = train_records()
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["rollout/weight_version"] for r in records] == ["0", "0", "0", "0", "1", "1"]
     assert [r["rollout/staleness_max"] for r in records] == [0, 0, 1, 1, 1, 1]
@@ -147,7 +150,7 @@ def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_p
     import shutil
     shutil.rmtree(run_dir / "ckpt" / "iter_0000003")
     (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
-    resumed = train()
+    resumed = train_records()
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for before, after in zip(records[4:], resumed[4:]):
         assert after["rollout/weight_version"] == "1"
@@ -167,11 +170,7 @@ def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model
                  "rollout.partial_rollout=true", "sampling.max_new_tokens=96", "reward.fn=reward_fns:first_token_odd",
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]
-    proc = subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
-                           *overrides], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}"},
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    train(*overrides, path=f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}")  # the test reward's module
     records = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
                if "loss/value" in r]
     assert [r["step"] for r in records] == list(range(1, 9))
