@@ -319,14 +319,17 @@ class RewardConfig:
     strings equal), or `package.module:function` taking a Sample (prompt, response_text, answer,
     metadata) and returning a float."""
     workers: int = 2
-    """Worker processes scoring in parallel (a hung or crashed one is killed and replaced)."""
+    """Worker processes scoring in parallel (a hung or crashed one is killed and replaced). 0: score in the
+    trainer's rollout thread, no process: for cheap, trusted functions such as exact_match (no time limit;
+    a crash or a hang of the function is the trainer's)."""
     timeout_s: float = 10.0
-    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout."""
+    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout
+    (not enforced with workers=0)."""
     truncated: Literal["keep", "zero"] = "keep"
     """Responses cut by max_new_tokens (finish reason "length"): scored as they are, or 0."""
 
     def __post_init__(self):
-        _positive("reward", self, "workers")
+        _check(self.workers >= 0, "reward.workers", "must be >= 0", self.workers)
         _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0", self.timeout_s)
         _check(bool(self.fn), "reward.fn", "must be set", self.fn)
 
@@ -408,6 +411,12 @@ class CheckpointConfig:
     """Continue from the latest complete checkpoint in dir when there is one."""
     save_on_signal: bool = True
     """Write a checkpoint when SIGTERM/SIGINT arrives (e.g. Slurm preemption) before exiting."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron-Core's async save): the step waits only for the
+    small files and the planning; a forked process writes the tensors from a copy-on-write snapshot
+    (memory: up to one more copy of the pages training changes meanwhile), and the checkpoint becomes
+    the latest once every rank has written it (checked each step, one small all-reduce). A crash before
+    then resumes from the previous checkpoint. The run's end and a stop signal wait for it."""
     export_hf: str | None = None
     """When the run completes, the final checkpoint converted to a Hugging Face model in this directory
     (the checkpoint tools' mcore->hf conversion; config and tokenizer files from model.hf_path). An

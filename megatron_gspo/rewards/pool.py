@@ -11,6 +11,10 @@ What can go wrong with a sample, and what it costs:
 - it runs past T: the worker is killed and replaced, Score(0, "timeout");
 - the worker dies (os._exit, a segfault): Score(0, "error", "worker died (exit code N)"), replaced.
 
+`workers=0` scores in the calling thread instead: no process, no pickling, no pipe (~0.3 ms for 256
+exact_match samples against ~15 ms through two workers, measured here), and no protection: no time limit,
+and a crash or a hang of the function is the trainer's. For cheap, trusted functions (exact_match).
+
 `check_batch` turns a batch where most samples failed into a RewardError: a broken reward function
 should stop the run, while an occasional hostile response should only cost its own reward.
 """
@@ -30,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from megatron_gspo.rewards.worker import _LENGTH, write_message
+from megatron_gspo.rewards.worker import _LENGTH, score_one, write_message
 from megatron_gspo.samples import Sample
 
 STARTUP_TIMEOUT_S = 60.0
@@ -162,8 +166,8 @@ class RewardPool:
     """
 
     def __init__(self, fn_spec: str, *, workers: int = 2, timeout_s: float = 10.0):
-        if workers < 1:
-            raise ValueError(f"reward pool: workers must be >= 1, got {workers}")
+        if workers < 0:
+            raise ValueError(f"reward pool: workers must be >= 0, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward pool: timeout_s must be > 0, got {timeout_s}")
         self.fn_spec, self.timeout_s = fn_spec, timeout_s
@@ -172,6 +176,15 @@ class RewardPool:
         self._closed = False
         self.replacements = 0
         """How many workers were killed or died and were replaced (for metrics and tests)."""
+        self._inline = None
+        self._workers, self._threads = [], []
+        if workers == 0:  # in this process (see the module docstring)
+            from megatron_gspo.rewards.verifiers import load_reward_fn  # math-verify: imported when needed
+            try:
+                self._inline = load_reward_fn(fn_spec)
+            except Exception as e:
+                raise RewardError(f"reward function {fn_spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
+            return
         started = [_Worker(fn_spec) for _ in range(workers)]  # start together, then wait
         try:
             for w in started:
@@ -194,7 +207,11 @@ class RewardPool:
                 raise RuntimeError("reward pool is closed")
             for sample in samples:
                 future: concurrent.futures.Future = concurrent.futures.Future()
-                self._jobs.put((sample, future))
+                if self._inline is not None:
+                    status, payload = score_one(self._inline, sample)
+                    future.set_result(Score(payload, "ok") if status == "ok" else Score(0.0, "error", payload))
+                else:
+                    self._jobs.put((sample, future))
                 futures.append(future)
         return futures
 

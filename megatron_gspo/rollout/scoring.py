@@ -76,8 +76,7 @@ class Scorer:
             for group in groups:
                 if id(group) not in self._pending:  # a backend that never called on_group
                     self.submit(group)
-            scores = [await asyncio.gather(*(asyncio.wrap_future(f) for f in self._pending.pop(id(g))))
-                      for g in groups]
+            scores = [await _results(self._pending.pop(id(g))) for g in groups]
             flat = [s for group in scores for s in group]
             counts.timeouts = sum(s.status == "timeout" for s in flat)
             counts.errors = sum(s.status == "error" for s in flat)
@@ -93,3 +92,9 @@ class Scorer:
         counts.wait_s = time.perf_counter() - start
         profiling.add(profiling.current() + "/reward_wait", counts.wait_s)
         return counts
+
+
+async def _results(futures: Sequence[Future]) -> list[Score]:
+    if all(f.done() for f in futures):  # scored already (e.g. reward.workers=0): no event-loop round trips
+        return [f.result() for f in futures]
+    return await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))

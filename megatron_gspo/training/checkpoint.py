@@ -16,6 +16,8 @@ A checkpoint is written into DIR/iter_0000007.tmp/ and renamed to iter_0000007/ 
 every rank has finished writing, then the `latest` file is updated: a crash at any moment leaves
 either the previous complete checkpoint as the latest or the new one, never a partial one.
 `.tmp` leftovers of a crashed save are ignored by `find_latest` and deleted by the next save.
+Written in the background (`BackgroundSaves`, checkpoint.async_save), the rename and the `latest` file
+wait until every rank's writer has finished: the same guarantee, later.
 
 Exactness: model and Adam state (both moments and the step count) are saved in float32 as they are;
 with the RNG states, the data position and the scheduler step restored, the resumed run takes the
@@ -26,11 +28,14 @@ needs the two work-arounds below (tested: DP2, bitwise); neither path has been r
 """
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import queue
 import random
 import re
 import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
 from megatron_gspo.convert.load import named_model_chunks
@@ -160,26 +166,77 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _in_process_results_queue() -> None:
-    """Give dist_checkpointing's writer a plain in-process results queue for this save.
+class _WriteResults:
+    """The queue that carries dist_checkpointing's write results to this process, for one save.
 
     megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:51-56 makes it a queue of a
     *spawned* multiprocessing Manager on the first save: a fresh interpreter that re-imports the
     trainer's main module, 3.4 s per checkpoint of the tiny demo model (measured, TP2, 2 cores; the
     save itself takes 0.06 s), and a process that, kept alive, is orphaned by a kill -9 and holds the
-    launcher's stdout open. The queue carries the write results only between the forked writer
-    processes' parent (this process, in a synchronous save) and the caller, both in this process, so an
-    ordinary thread queue does the same job with no process at all. Not a multiprocessing.Queue: its
-    put() hands the item to a feeder thread, and the writer's get_nowait() right after it can find the
-    pipe still empty ("results_queue should not be empty": seen in CI's Slurm requeue test, where the
-    save ran while the job was being signalled on a loaded machine).
+    launcher's stdout open. The results are put by the process that ran the writers: this one in a
+    synchronous save, the forked background writer in an async one (`put` after the fork: the pipe is
+    inherited). A thread here drains the pipe at once, so a large result never blocks that writer on a
+    full pipe (it must exit before the results are read); `get_nowait` waits for the thread up to a few
+    seconds (a plain multiprocessing.Queue's get_nowait right after the put can find the pipe still
+    empty: "results_queue should not be empty", seen in CI's Slurm requeue test on a loaded machine).
     """
-    filesystem_async._results_queue = queue.Queue()
+
+    def __init__(self, wait_s: float = 30.0):
+        self._reader, self._writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+        self._received: queue.Queue = queue.Queue()
+        self._wait_s = wait_s
+        threading.Thread(target=self._drain, name="checkpoint-write-results", daemon=True).start()
+
+    def _drain(self) -> None:
+        try:
+            self._received.put(self._reader.recv())  # one result (or exception) per save
+        except (EOFError, OSError):
+            pass
+
+    def put(self, item) -> None:
+        self._writer.send(item)
+
+    def get_nowait(self):
+        # The writer has exited (or, synchronously, returned) before this is called: what it sent is
+        # in the pipe; nothing arrives only if it died without sending (then queue.Empty, an error).
+        return self._received.get(timeout=self._wait_s)
+
+
+class BackgroundSaves:
+    """Checkpoints still being written (`checkpoint.async_save`), with Megatron-Core's async save.
+
+    `save_checkpoint(..., background=saves)` writes the small files (common.pt, trainer.pt, RNG states)
+    and returns; a process forked at that moment writes the model and optimizer tensors from its
+    copy-on-write snapshot of them, so training goes on while it writes (on GPU Megatron first copies
+    the tensors to host memory: its preload step). The checkpoint is published (renamed from `.tmp`,
+    `latest` updated, old ones pruned) by `finish` once every rank's writer is done: until then the
+    previous checkpoint is the latest, and a crash leaves only a `.tmp` behind. One save is in flight at
+    most (the next save waits for it). Every method is collective: call it on every rank.
+    """
+
+    def __init__(self):
+        self._calls = AsyncCallsQueue(persistent=False)  # a fresh fork per save: a snapshot each time
+
+    @property
+    def pending(self) -> bool:
+        return self._calls.get_num_unfinalized_calls() > 0
+
+    def schedule(self, request) -> None:
+        self._calls.schedule_async_request(request)
+
+    def finish(self, wait: bool = False) -> None:
+        """Publish the saves whose writers are done on every rank (`wait`: wait for them). Costs one
+        small all-reduce per pending save; nothing when none is pending."""
+        if self.pending:
+            self._calls.maybe_finalize_async_calls(blocking=wait)
 
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: list, optimizer, scheduler=None,
-                    *, keep_last: int = 0) -> Path:
-    """Write checkpoint `state.step` (collective: every rank calls it). Returns its directory."""
+                    *, keep_last: int = 0, background: BackgroundSaves | None = None) -> Path:
+    """Write checkpoint `state.step` (collective: every rank calls it). Returns its directory, which
+    exists on return, or, with `background`, once `background.finish` has published it."""
+    if background is not None:
+        background.finish(wait=True)
     rank = dist.get_rank()
     final = iteration_dir(ckpt_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -189,8 +246,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
-    _in_process_results_queue()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
+    filesystem_async._results_queue = _WriteResults()  # taken by this save's writer (see the class)
+    request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp),
+                                      async_sharded_save=background is not None)
     if rank == 0:
         (tmp / "rng").mkdir()
     dist.barrier()
@@ -199,17 +257,31 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
         torch.save({"step": state.step, "data_state": state.data_state, "user_state": state.user_state,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "world_size": dist.get_world_size()}, tmp / "trainer.pt")
+    publish = functools.partial(_publish, Path(ckpt_dir), state.step, keep_last)
+    if background is not None:
+        # Megatron's own finalize (metadata, then a barrier: every rank's tensors are written) runs first.
+        request.add_finalize_fn(publish)
+        background.schedule(request)
+        return final
     dist.barrier()
-    if rank == 0:
-        if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomically(Path(ckpt_dir) / LATEST, f"{state.step}\n")
-        if keep_last:
-            for old in complete_iterations(ckpt_dir)[:-keep_last]:
-                shutil.rmtree(iteration_dir(ckpt_dir, old))
+    publish()
     dist.barrier()
     return final
+
+
+def _publish(ckpt_dir: Path, step: int, keep_last: int) -> None:
+    """Rank 0: iter_STEP.tmp -> iter_STEP, then the `latest` file, then the pruning (all ranks have
+    finished writing it)."""
+    if dist.get_rank() != 0:
+        return
+    final = iteration_dir(ckpt_dir, step)
+    if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
+        shutil.rmtree(final)
+    os.replace(final.with_name(final.name + ".tmp"), final)
+    _write_atomically(ckpt_dir / LATEST, f"{step}\n")
+    if keep_last:
+        for old in complete_iterations(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(iteration_dir(ckpt_dir, old))
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, scheduler=None, *,

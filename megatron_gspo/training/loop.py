@@ -71,6 +71,7 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
     settings = step_settings(config, policy.shape)
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
+    saves = ckpt.BackgroundSaves() if config.checkpoint.async_save else None
     with contextlib.ExitStack() as stack:
         rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack,
                                                                       started)))
@@ -91,7 +92,7 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                 data_ended = batch.reason == "data"
                 # a stop signal (the servers got it too), or the data's epochs are used up
                 if state.step != saved_step and (batch.reason == "data" or config.checkpoint.save_on_signal):
-                    save_checkpoint(config, state, policy, rollout)
+                    save_checkpoint(config, state, policy, rollout, saves)
                 if batch.reason == "data" and config.eval.interval and evaluated_step != state.step:
                     log_eval(logger, config, state.step, rollout.evaluate())
                 break
@@ -116,11 +117,12 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
             if eval_due(config, state.step, stopping):
                 evaluation = timed(times, "time_eval_s", rollout.evaluate)
                 evaluated_step = state.step
-            # 7. A checkpoint every `interval` steps, at the end, and when asked to stop.
-            times["time_checkpoint_s"] = 0.0
-            if checkpoint_due(config, state.step, stopping):
-                timed(times, "time_checkpoint_s", save_checkpoint, config, state, policy, rollout)
-                saved_step = state.step
+            # 7. A checkpoint every `interval` steps, at the end, and when asked to stop (with
+            # checkpoint.async_save, written in the background and published once every rank has).
+            due, times["time_checkpoint_s"] = checkpoint_due(config, state.step, stopping), 0.0
+            if due or saves is not None:
+                timed(times, "time_checkpoint_s", checkpoint, config, state, policy, rollout, saves, due)
+            saved_step = state.step if due else saved_step
             # 8. One record per optimizer step: the step's rollout numbers and timings on each (with
             # logging.profile, the parts of this step; the logging of a step counts in the next one's).
             if config.logging.profile:
@@ -131,6 +133,8 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                     log_eval(logger, config, state.step, evaluation)
             if stopping:
                 break
+        if saves is not None:  # the last checkpoint, complete before the run ends
+            saves.finish(wait=True)
     if stop.requested and dist.get_rank() == 0:
         print(f"stopping on {stop.signal_name} after step {state.step}", flush=True)
     stop.arm(False)  # the servers are stopped: from here on a signal ends the process at once
@@ -213,14 +217,24 @@ def checkpoint_due(config: TrainConfig, step: int, stopping: bool) -> bool:
     return bool(c.dir) and (step % c.interval == 0 or step == config.num_steps or (stopping and c.save_on_signal))
 
 
-def save_checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy, rollout: Rollout | None = None
-                    ) -> None:
-    """A checkpoint of `state`, with the batches the servers generated ahead (rank 0 saves them)."""
+def save_checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy, rollout: Rollout | None = None,
+                    background: ckpt.BackgroundSaves | None = None) -> None:
+    """A checkpoint of `state`, with the batches the servers generated ahead (rank 0 saves them);
+    with `background`, written in the background."""
     if config.checkpoint.dir:
         if rollout is not None:
             state.user_state["rollout_ahead"] = rollout.ahead()
         ckpt.save_checkpoint(config.checkpoint.dir, state, policy.model, policy.optimizer, policy.scheduler,
-                             keep_last=config.checkpoint.keep_last)
+                             keep_last=config.checkpoint.keep_last, background=background)
+
+
+def checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy, rollout: Rollout,
+               saves: ckpt.BackgroundSaves | None, due: bool) -> None:
+    """Publish the background checkpoints every rank has finished writing; then this step's when due."""
+    if saves is not None:
+        saves.finish()
+    if due:
+        save_checkpoint(config, state, policy, rollout, saves)
 
 
 def overlap_times(rollout: Rollout, batch: RolloutBatch, previous: RolloutBatch | None, version: int) -> dict:

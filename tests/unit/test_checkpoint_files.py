@@ -40,12 +40,36 @@ def test_writer_results_are_readable_right_after_they_are_put():
     """dist_checkpointing's synchronous save puts the write results into its results queue and reads
     them back with get_nowait() in the same process; a multiprocessing queue (fed by a thread) is
     often still empty then ("results_queue should not be empty": a failed save)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_gspo.training.checkpoint import _WriteResults
 
-    from megatron_gspo.training.checkpoint import _in_process_results_queue
-
-    _in_process_results_queue()
-    results = filesystem_async._get_write_results_queue()
-    for i in range(200):
+    for i in range(50):
+        results = _WriteResults()  # one per save
         results.put({"bucket": i})
         assert results.get_nowait() == {"bucket": i}
+
+
+def test_a_background_writer_with_large_results_exits_before_they_are_read():
+    """An async save's writer is a forked process that puts its results and exits; they are read only
+    after it has exited. Results larger than a pipe's buffer (64 KiB) must not keep it from exiting."""
+    import multiprocessing
+
+    from megatron_gspo.training.checkpoint import _WriteResults
+
+    results = _WriteResults()
+    big = {"write_results": [("x" * 100, i) for i in range(20_000)]}  # ~2.5 MB pickled
+    writer = multiprocessing.get_context("fork").Process(target=results.put, args=(big,))
+    writer.start()
+    writer.join(timeout=30)
+    assert writer.exitcode == 0, "the writer blocked on a full pipe (or failed)"
+    assert results.get_nowait() == big
+
+
+def test_a_writer_that_died_without_results_is_an_error():
+    import queue
+
+    import pytest
+
+    from megatron_gspo.training.checkpoint import _WriteResults
+
+    with pytest.raises(queue.Empty):  # dist_checkpointing turns it into a failed save on every rank
+        _WriteResults(wait_s=0.2).get_nowait()

@@ -25,12 +25,15 @@ def children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def test_scores_match_direct_calls_in_order():
+@pytest.mark.parametrize("workers", [2, 0])  # 0: in this process
+def test_scores_match_direct_calls_in_order(workers):
     samples = [sample(r, a, i) for i, (r, a) in enumerate([
         ("\\boxed{0.5}", "\\frac{1}{2}"), ("The answer is 7.", "7"), ("\\boxed{8}", "7"),
         ("\\boxed{(1,2]}", "(1,2]"), ("nothing", "3")])]
-    with RewardPool("math", workers=2, timeout_s=10) as pool:
+    before = children()
+    with RewardPool("math", workers=workers, timeout_s=10) as pool:
         scores = pool.score(samples)
+        assert len(children() - before) == workers
     assert scores == [Score(math_reward(s), "ok") for s in samples]
     assert [s.value for s in scores] == [1.0, 1.0, 0.0, 1.0, 0.0]
 
@@ -81,8 +84,9 @@ def test_segfault_is_an_error():
     ("nan", "returned nan (need a finite number)"),
     ("text", "returned '1.0' of type str (need a number)"),
 ])
-def test_bad_functions_are_errors_and_the_worker_survives(fn, detail):
-    with RewardPool(f"reward_fns:{fn}", workers=1, timeout_s=5) as pool:
+@pytest.mark.parametrize("workers", [1, 0])
+def test_bad_functions_are_errors_and_the_worker_survives(fn, detail, workers):
+    with RewardPool(f"reward_fns:{fn}", workers=workers, timeout_s=5) as pool:
         scores = pool.score([sample("x"), sample("y")])
         assert scores == [Score(0.0, "error", detail)] * 2 and pool.replacements == 0
 
@@ -92,10 +96,11 @@ def test_stdout_noise_does_not_break_the_protocol():
         assert pool.score([sample("x")] * 3) == [Score(0.5, "ok")] * 3
 
 
-def test_load_failure_raises_at_construction_and_leaves_no_process():
+@pytest.mark.parametrize("workers", [2, 0])
+def test_load_failure_raises_at_construction_and_leaves_no_process(workers):
     before = children()
     with pytest.raises(RewardError, match="'reward_fns:missing' cannot be loaded: .*no attribute 'missing'"):
-        RewardPool("reward_fns:missing", workers=2)
+        RewardPool("reward_fns:missing", workers=workers)
     assert children() <= before
 
 

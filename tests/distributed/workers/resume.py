@@ -1,8 +1,10 @@
 """Exact resume: an interrupted and resumed run ends with the same parameters as an uninterrupted one.
 
-usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt|moe_replay]
+usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt|moe_replay|async]
 (`distopt`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks;
-`moe_replay`: the tiny Qwen3-MoE, experts over 2 ranks (EP2), GRPO with routing_replay="old".)
+`moe_replay`: the tiny Qwen3-MoE, experts over 2 ranks (EP2), GRPO with routing_replay="old";
+`async`: checkpoints written in the background (BackgroundSaves, checkpoint.async_save), step 3 trained
+while step 2's is still unpublished, and the crash a real one during step 3's background save.)
 PHASE "run": (A) trains 4 rollout steps uninterrupted and saves its final parameters as the reference;
   (B) from the same seed trains 2 steps, checkpointing after each (keep_last=1), starts step 3, leaves a
   half-written iter_0000003.tmp behind as a crashed save would, and exits without any clean-up (os._exit).
@@ -26,8 +28,8 @@ from megatron_gspo.config import ParallelConfig
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.training.checkpoint import (TrainerState, complete_iterations, find_latest,
-                                               load_checkpoint, save_checkpoint)
+from megatron_gspo.training.checkpoint import (BackgroundSaves, TrainerState, complete_iterations, find_latest,
+                                               iteration_dir, load_checkpoint, save_checkpoint)
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.step import StepSettings, train_on_batch
 
@@ -37,6 +39,7 @@ from trainer_common import SHAPE, parallel_layout, params, synthetic_responses, 
 STEPS, K, GROUP = 4, 2, 4
 DISTRIBUTED_OPTIMIZER = sys.argv[4:5] == ["distopt"]
 MOE_REPLAY = sys.argv[4:5] == ["moe_replay"]
+ASYNC_SAVE = sys.argv[4:5] == ["async"]
 
 
 class SyntheticData:
@@ -96,14 +99,26 @@ def run_and_crash(workdir: Path, layout: ParallelConfig, pgs, settings: StepSett
 
     model, optimizer, scheduler = setup(layout, pgs, seed=5)
     data = SyntheticData()
+    background = BackgroundSaves() if ASYNC_SAVE else None
+
+    def save(step):
+        save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
+                        model, optimizer, scheduler, keep_last=1, background=background)
+
     for step in (1, 2):
         train(model, optimizer, scheduler, data, 1, settings)
-        save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
-                        model, optimizer, scheduler, keep_last=1)
+        save(step)
+        if ASYNC_SAVE:
+            with check(f"a background save (step {step}) is not the latest before it is published"):
+                assert not iteration_dir(ckpt, step).exists() and find_latest(ckpt) == (step - 1 or None)
+    train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
+    if ASYNC_SAVE:  # ... while step 2's checkpoint may still be being written: it must hold step 2's state
+        background.finish(wait=True)
     with check("keep_last=1 keeps only the step-2 checkpoint"):
         assert complete_iterations(ckpt) == [2], complete_iterations(ckpt)   # keep_last pruned step 1
-    train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
-    if rank == 0:                                                       # ... its save crashes midway
+    if ASYNC_SAVE:                                                      # ... and its save crashes:
+        save(3)                                                         # the process ends while it writes
+    elif rank == 0:                                                     # ... its save crashes midway
         (ckpt / "iter_0000003.tmp").mkdir(parents=True)
         (ckpt / "iter_0000003.tmp" / "__0_0.distcp").write_bytes(b"\0" * 100)
     dist.barrier()
