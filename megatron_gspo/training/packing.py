@@ -266,19 +266,20 @@ def routing_rows(responses: Sequence[Trainable], length: int,
 
 def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
     """[B, length] tensors of the responses of each row (one per row unless `packed`), aligned as in the
-    module docstring, and each response's (row, first position), in row-major order."""
+    module docstring, and each response's (row, first position), in row-major order.
+
+    Python only gathers each response's numbers and places (list extends, no per-token loop); the
+    tensors are written with one indexed assignment each. A few torch calls per response instead cost
+    the demo's 256 short responses 5.4 ms against 1 ms this way (benchmarked on this 2-core machine)."""
     B = len(rows)
     responses = [r for row in rows for r in row]
-    tokens = torch.zeros(B, length, dtype=torch.long)
-    labels = torch.zeros(B, length, dtype=torch.long)
-    mask = torch.zeros(B, length)
-    rollout = torch.zeros(B, length)
-    segments = torch.full((B, length), -1, dtype=torch.long) if packed else None
-    positions = torch.zeros(B, length, dtype=torch.long) if packed else None
     per_token = [not isinstance(r.advantage, (int, float)) for r in responses]
     if any(per_token) and not all(per_token):
         raise ValueError("a mini-batch mixes per-sequence and per-token advantages")
-    advantages = torch.zeros(B, length) if all(per_token) else torch.zeros(len(responses))
+    per_token = bool(per_token) and per_token[0]
+    starts, prompt_lens, response_lens, stale = [], [], [], []   # per response; starts are flat positions
+    ids, rollout, token_advantages = [], [], []                  # per token, responses one after the other
+    pad_starts, pad_lens, pad_first = [], [], []                 # per packed row with padding at its end
     places = []
     for b, row in enumerate(rows):
         start = 0
@@ -286,26 +287,65 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
             n = len(places)
             places.append((b, start))
             P, R = len(r.prompt_ids), len(r.response_ids)
-            span = slice(start, start + P + R)
-            ids = torch.as_tensor(list(r.prompt_ids) + list(r.response_ids), dtype=torch.long)
-            tokens[b, span] = ids
-            labels[b, start:start + P + R - 1] = ids[1:]
-            targets = slice(start + P - 1, start + P + R - 1)   # positions whose label is a response token
-            mask[b, start + P - 1 + getattr(r, "stale_prefix", 0):start + P + R - 1] = 1.0  # not the stale prefix
-            if r.rollout_logprobs is not None:
-                rollout[b, targets] = torch.as_tensor(list(r.rollout_logprobs), dtype=torch.float32)
-            if per_token[0]:
-                advantages[b, targets] = torch.as_tensor(list(r.advantage), dtype=torch.float32)
-            else:
-                advantages[n] = float(r.advantage)
-            if packed:
-                segments[b, span] = n
-                positions[b, span] = torch.arange(P + R)
+            if start + P + R > length:
+                raise ValueError(f"row {b}: responses of {start + P + R} tokens do not fit its {length} positions")
+            starts.append(b * length + start)
+            prompt_lens.append(P)
+            response_lens.append(R)
+            stale.append(min(getattr(r, "stale_prefix", 0), R))
+            ids.extend(r.prompt_ids)
+            ids.extend(r.response_ids)
+            rollout.extend(_checked(r.rollout_logprobs, R, n, "rollout_logprobs") if r.rollout_logprobs is not None
+                           else [0.0] * R)
+            token_advantages.extend(_checked(r.advantage, R, n, "advantage") if per_token else (float(r.advantage),))
             start += P + R
         if packed and start < length:  # padding: its own segment (-1); positions go on from the last response's
-            last = places[-1][1]
-            positions[b, start:] = torch.arange(start - last, length - last)
-    return tokens, labels, mask, rollout, advantages, segments, positions, places
+            pad_starts.append(b * length + start)
+            pad_lens.append(length - start)
+            pad_first.append(start - places[-1][1])
+    starts_t, P_t, R_t = (torch.tensor(x, dtype=torch.long) for x in (starts, prompt_lens, response_lens))
+    L_t = P_t + R_t
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    offsets = torch.cumsum(L_t, 0) - L_t                          # each response's first token in ids_t
+
+    def scatter(at: torch.Tensor, values: torch.Tensor, fill=0) -> torch.Tensor:
+        out = torch.full((B * length,), fill, dtype=values.dtype)
+        out[at] = values
+        return out.view(B, length)
+
+    tokens = scatter(_spans(starts_t, L_t), ids_t)
+    labels = scatter(_spans(starts_t, L_t - 1), ids_t[_spans(offsets + 1, L_t - 1)])
+    targets = _spans(starts_t + P_t - 1, R_t)                     # positions whose label is a response token
+    in_response = _spans(torch.zeros_like(R_t), R_t)              # 0 .. R-1 within each response
+    mask = scatter(targets, (in_response >= torch.repeat_interleave(torch.tensor(stale, dtype=torch.long), R_t))
+                   .to(torch.float32))                            # the stale prefix is not trained
+    rollout_BS = scatter(targets, torch.tensor(rollout, dtype=torch.float32))
+    advantages = (scatter(targets, torch.tensor(token_advantages, dtype=torch.float32)) if per_token
+                  else torch.tensor(token_advantages, dtype=torch.float32))
+    segments = positions = None
+    if packed:
+        spans = _spans(starts_t, L_t)
+        segments = scatter(spans, torch.repeat_interleave(torch.arange(len(responses)), L_t), fill=-1)
+        positions = scatter(spans, _spans(torch.zeros_like(L_t), L_t)).view(-1)
+        if pad_starts:
+            pad_starts_t, pad_lens_t = torch.tensor(pad_starts), torch.tensor(pad_lens)
+            positions[_spans(pad_starts_t, pad_lens_t)] = _spans(torch.tensor(pad_first), pad_lens_t)
+        positions = positions.view(B, length)
+    return tokens, labels, mask, rollout_BS, advantages, segments, positions, places
+
+
+def _spans(firsts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """firsts[0], firsts[0] + 1, .., firsts[0] + lengths[0] - 1, firsts[1], ...: the concatenated ranges."""
+    total = int(lengths.sum())
+    ends = torch.cumsum(lengths, 0)
+    return torch.arange(total) + torch.repeat_interleave(firsts - (ends - lengths), lengths)
+
+
+def _checked(values, expected: int, index: int, name: str) -> list:
+    values = list(values)
+    if len(values) != expected:
+        raise ValueError(f"response {index}: {len(values)} {name} for {expected} response tokens")
+    return values
 
 
 def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int, max_tokens: int,

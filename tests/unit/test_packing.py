@@ -243,3 +243,70 @@ def test_a_stale_prefix_conditions_but_is_not_trained():
     with pytest.raises(ValueError, match="stale_prefix 4 must leave"):
         Sample(group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2, 3, 4, 5], rollout_logprobs=[0.0] * 4,
                finish_reason="stop", stale_prefix=4)
+
+
+def _reference_rows(mb, responses, places, per_token):
+    """The module docstring's alignment, position by position, from each response's (row, start)."""
+    B, S = mb.tokens_BS.shape
+    want = {name: torch.zeros(B, S) for name in ("tokens", "labels", "mask", "rollout", "advantages")}
+    want["segments"], want["positions"] = torch.full((B, S), -1.0), torch.zeros(B, S)
+    ends = {}
+    for n, (r, (row, start)) in enumerate(zip(responses, places)):
+        ids, P, R = [*r.prompt_ids, *r.response_ids], len(r.prompt_ids), len(r.response_ids)
+        for j, token in enumerate(ids):
+            want["tokens"][row, start + j] = token
+            want["segments"][row, start + j], want["positions"][row, start + j] = n, j
+            if j + 1 < len(ids):
+                want["labels"][row, start + j] = ids[j + 1]
+        for k in range(R):
+            at = start + P - 1 + k
+            want["mask"][row, at] = float(k >= r.stale_prefix)
+            want["rollout"][row, at] = r.rollout_logprobs[k]
+            if per_token:
+                want["advantages"][row, at] = r.advantage[k]
+        ends[row] = (start + P + R, start)
+    for row, (end, last) in ends.items():  # packed padding: positions go on from the last response's
+        for at in range(end, S):
+            want["positions"][row, at] = at - last
+    return want
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("pack_sequences", [False, True])
+def test_rows_match_a_position_by_position_reference(per_token, pack_sequences):
+    """Random prompts, responses (some empty), stale prefixes and advantages: every tensor of every
+    micro-batch equals the alignment written out position by position."""
+    g = torch.Generator().manual_seed(3)
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))  # noqa: E731
+    responses = []
+    for _ in range(40):
+        P, R = rand(1, 12), rand(0, 20)
+        responses.append(Response(
+            [rand(1, 500) for _ in range(P)], [rand(1, 500) for _ in range(R)],
+            advantage=[float(torch.randn((), generator=g)) for _ in range(R)] if per_token else float(torch.randn((), generator=g)),
+            rollout_logprobs=[-float(torch.rand((), generator=g)) for _ in range(R)],
+            stale_prefix=min(rand(0, 4), max(R - 1, 0))))
+    packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=96, pad_multiple=4,
+                            pack_sequences=pack_sequences)
+    assert sorted(i for row in packed.rows for i in row) == list(range(len(responses)))
+    for mb, order, places in zip(packed.micro_batches, packed.rows, packed.places):
+        mine = [responses[i] for i in order]
+        want = _reference_rows(mb, mine, places, per_token)
+        assert torch.equal(mb.tokens_BS, want["tokens"].long()) and torch.equal(mb.labels_BS, want["labels"].long())
+        assert torch.equal(mb.loss_mask_BS, want["mask"]) and torch.equal(mb.old_logprobs_BS, want["rollout"])
+        if per_token:
+            assert torch.equal(mb.advantages, want["advantages"])
+        else:
+            assert mb.advantages.tolist() == [torch.tensor(r.advantage).item() for r in mine]
+        if mb.packed:  # (a micro-batch whose rows hold one response each is not packed)
+            assert torch.equal(mb.segments_BS, want["segments"].long())
+            assert torch.equal(mb.positions_BS, want["positions"].long())
+        else:
+            assert all(start == 0 for _, start in places)
+    assert any(mb.packed for mb in packed.micro_batches) == pack_sequences
+
+
+def test_a_rollout_logprob_count_that_does_not_match_the_response_is_an_error():
+    bad = Response([1, 2], [3, 4, 5], advantage=1.0, rollout_logprobs=[-0.1, -0.2])
+    with pytest.raises(ValueError, match="response 0: 2 rollout log-probs for 3 response tokens"):
+        pack_minibatch([bad], dp_size=1, dp_rank=0, max_tokens=100)
