@@ -55,6 +55,12 @@ class RolloutBackend(Protocol):
     def close(self) -> None:
         """Stop what the backend started (servers, weight-update groups)."""
 
+    async def keep_connections(self) -> None:
+        """This event loop will live across calls: keep connections to the sampler open between them."""
+
+    async def close_connections(self) -> None:
+        """Close what `keep_connections` kept open in this event loop."""
+
 
 class SGLangBackend:
     """Rank 0's view of the SGLang servers: start (or adopt) them, roll out, push weights."""
@@ -105,6 +111,14 @@ class SGLangBackend:
     def close(self) -> None:
         self._stack.close()
 
+    async def keep_connections(self) -> None:
+        for client in {id(c): c for c in (self._client, self._eval_client)}.values():
+            await client.keep_connections()
+
+    async def close_connections(self) -> None:
+        for client in {id(c): c for c in (self._client, self._eval_client)}.values():
+            await client.close_connections()
+
 
 class MegatronBackend:
     """Every rank generates with the model it trains (no servers, no weight transfer)."""
@@ -136,6 +150,12 @@ class MegatronBackend:
 
     def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
         self.version = version  # the model that trains is the model that samples: nothing to move
+
+    async def keep_connections(self) -> None:  # no connections
+        pass
+
+    async def close_connections(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -17,6 +17,7 @@ The client speaks HTTP only (httpx); it runs in the trainer's environment, not S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -148,6 +149,29 @@ class RolloutClient:
             raise ValueError(f"duplicate server URLs: {list(urls)}")
         self.urls = [u.rstrip("/") for u in urls]
         self.config = config
+        self._kept: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        """Per event loop, the HTTP client `keep_connections` opened (its connections outlive a call)."""
+
+    async def keep_connections(self) -> None:
+        """From now on, `generate` calls in this event loop share one HTTP client, whose connections stay
+        open between calls (a loop that lives across rollout steps: no reconnecting each step). Undo with
+        `close_connections` in the same loop."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._kept:
+            self._kept[loop] = self._new_http()
+
+    async def close_connections(self) -> None:
+        """Close the HTTP client `keep_connections` opened in this event loop (if any)."""
+        http = self._kept.pop(asyncio.get_running_loop(), None)
+        if http is not None:
+            await http.aclose()
+
+    def _new_http(self) -> httpx.AsyncClient:
+        cfg = self.config
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        connections = cfg.concurrency_per_server * len(self.urls)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        return httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key), verify=tls_context())
 
     def generate_sync(self, prompts: Sequence[Prompt], n: int,
                       sampling: SamplingConfig = SamplingConfig()) -> tuple[list[list[Sample]], RolloutStats]:
@@ -167,12 +191,9 @@ class RolloutClient:
         servers = [_Server(u, cfg.concurrency_per_server) for u in self.urls]
         stats = RolloutStats(requests_ok={s.url: 0 for s in servers})
         round_robin = itertools.cycle(range(len(servers)))
-        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-        limits = httpx.Limits(max_connections=cfg.concurrency_per_server * len(servers),
-                              max_keepalive_connections=cfg.concurrency_per_server * len(servers))
         start = time.monotonic()
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key),
-                                     verify=tls_context()) as http:
+        kept = self._kept.get(asyncio.get_running_loop())
+        async with contextlib.nullcontext(kept) if kept is not None else self._new_http() as http:
             async def run_request(chunk: Sequence[Prompt]) -> list[list[Sample]]:
                 tried: set[str] = set()
                 failed_attempts = 0

@@ -125,6 +125,7 @@ class Rollout:
         self._held = 0             # pushes / evals waiting: the next background batch must not start
         self.sync_wait_s = 0.0
         """Seconds the last `sync_weights` waited for the background thread's batch to finish."""
+        self._loops = _EventLoops(backend)
 
     def generate(self, position: int) -> RolloutBatch | Ended:
         """Collective: the batch from prompt-stream position `position` on every rank, or the same
@@ -226,7 +227,7 @@ class Rollout:
                 yield prompt
         started, start = time.monotonic(), time.perf_counter()
         with profiling.span("rollout/generate_and_score"):
-            scored = asyncio.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
+            scored = self._loops.run(collect_scored_groups(self.backend.generate, counted(), self.gspo.prompts_per_step,
                                                        self.scorer, drop_zero_variance=self.gspo.dynamic_sampling))
         return RolloutBatch(scored, position + taken, self.dataset.epoch_of(position + taken - 1), position=position,
                             generate_s=time.perf_counter() - start, started_at=started, ended_at=time.monotonic())
@@ -236,7 +237,7 @@ class Rollout:
         results = None
         if self.backend is not None and self.eval_sets:
             with self._servers_to_ourselves():  # the scorer and the servers' weights are the eval's alone
-                results = asyncio.run(evaluate(self.backend.generate, self.eval_sets, self.scorer,
+                results = self._loops.run(evaluate(self.backend.generate, self.eval_sets, self.scorer,
                                                self.eval_sampling, self.eval_k))
         box = [results]
         dist.broadcast_object_list(box, src=0)
@@ -280,6 +281,40 @@ class Rollout:
             self.backend.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._loops.close()
+
+
+class _EventLoops:
+    """One event loop per thread that rolls out (the trainer's; the background one with overlap), kept for
+    the run, in which the backend keeps its connections open (`keep_connections`): a fresh loop per call
+    reconnected to the servers every step (the demo: the rollout call 0.103 -> 0.096 s with them kept)."""
+
+    def __init__(self, backend: RolloutBackend | None):
+        self._backend = backend
+        self._local = threading.local()
+        self._runners: list[asyncio.Runner] = []
+        self._lock = threading.Lock()
+
+    def run(self, coro):
+        runner = getattr(self._local, "runner", None)
+        if runner is None:
+            runner = self._local.runner = asyncio.Runner()
+            with self._lock:
+                self._runners.append(runner)
+            if self._backend is not None:
+                runner.run(self._backend.keep_connections())
+        return runner.run(coro)
+
+    def close(self) -> None:
+        """After the threads that used them are done: close the connections, then the loops."""
+        with self._lock:
+            runners, self._runners = self._runners, []
+        for runner in runners:
+            try:
+                if self._backend is not None:
+                    runner.run(self._backend.close_connections())
+            finally:
+                runner.close()
 
 
 def _timed_export(tensors: NamedTensors) -> NamedTensors:

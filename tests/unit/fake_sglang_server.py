@@ -39,6 +39,7 @@ class FakeSGLang:
         self.routing_extra_positions = routing_extra_positions  # added to the P + R - 1 positions sent
         self.received: list[dict] = []  # every /generate payload that arrived
         self.answered = 0  # answers delivered
+        self.connections = 0  # TCP connections accepted
         self.dead = False
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -62,6 +63,7 @@ class FakeSGLang:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        self.connections += 1
         try:
             while not self.dead:
                 head = await reader.readuntil(b"\r\n\r\n")

@@ -47,6 +47,24 @@ def test_groups_are_spread_round_robin_and_complete():
     assert groups[0][0].rollout_logprobs == [-0.5, -0.5, -0.5]
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_kept_connections_outlive_a_call(keep):
+    """keep_connections: the calls in one event loop share one connection (a loop kept across rollout
+    steps); without it each call connects anew; close_connections closes it."""
+    async def main():
+        async with FakeSGLang(name="a") as a:
+            client = RolloutClient([a.url], ClientConfig(concurrency_per_server=1, **FAST))
+            if keep:
+                await client.keep_connections()
+            for i in range(3):
+                groups, _ = await client.generate(prompts(1), G)
+                assert_complete(groups, 1)
+            await client.close_connections()
+            assert not client._kept
+            return a.connections
+    assert run(main()) == (1 if keep else 3)
+
+
 def test_copies_ask_for_a_group_as_g_prompts_with_n_1():
     async def main():
         async with FakeSGLang(name="a") as a:

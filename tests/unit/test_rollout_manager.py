@@ -115,6 +115,12 @@ class Backend:
     def close(self):
         pass
 
+    async def keep_connections(self):
+        pass
+
+    async def close_connections(self):
+        pass
+
 
 def stop(signal_name=None):
     return types.SimpleNamespace(signal_name=signal_name)
@@ -324,6 +330,12 @@ class ClientBackend:
     def close(self):
         pass
 
+    async def keep_connections(self):
+        await self.client.keep_connections()
+
+    async def close_connections(self):
+        await self.client.close_connections()
+
 
 def test_a_server_dying_mid_overlap_loses_no_sample():
     """One of two servers dies while the batch generated ahead is in flight: its groups go to the other
@@ -354,7 +366,10 @@ def test_a_server_dying_mid_overlap_loses_no_sample():
         assert dying.answered + healthy.answered == 6       # 6 groups delivered, none twice
         rollout.close()
     finally:
-        for server in (dying, healthy):
-            server.kill()
+        async def shut_down():  # on the servers' loop; their connection handlers end before it stops
+            for server in (dying, healthy):
+                server.kill()
+            await asyncio.sleep(0.1)
+        asyncio.run_coroutine_threadsafe(shut_down(), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
