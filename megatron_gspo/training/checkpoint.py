@@ -190,8 +190,10 @@ class _WriteResults:
     def _drain(self) -> None:
         try:
             self._received.put(self._reader.recv())  # one result (or exception) per save
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # closed with nothing sent (a rank with nothing to write)
             pass
+        finally:
+            self._reader.close()
 
     def put(self, item) -> None:
         self._writer.send(item)
@@ -200,6 +202,10 @@ class _WriteResults:
         # The writer has exited (or, synchronously, returned) before this is called: what it sent is
         # in the pipe; nothing arrives only if it died without sending (then queue.Empty, an error).
         return self._received.get(timeout=self._wait_s)
+
+    def close(self) -> None:
+        """Once the save is over: the drain thread ends (at once if nothing was sent)."""
+        self._writer.close()
 
 
 class BackgroundSaves:
@@ -246,6 +252,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
+    previous = filesystem_async._results_queue
+    if isinstance(previous, _WriteResults):  # the last save is over (a background one: published above)
+        previous.close()
     filesystem_async._results_queue = _WriteResults()  # taken by this save's writer (see the class)
     request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp),
                                       async_sharded_save=background is not None)

@@ -73,3 +73,19 @@ def test_a_writer_that_died_without_results_is_an_error():
 
     with pytest.raises(queue.Empty):  # dist_checkpointing turns it into a failed save on every rank
         _WriteResults(wait_s=0.2).get_nowait()
+
+
+def test_closing_a_queue_nothing_was_sent_to_ends_its_thread():
+    """A rank with nothing to write puts no result: closing the save's queue must not leave its thread
+    (and pipe) behind, one per save."""
+    import threading
+
+    from megatron_gspo.training.checkpoint import _WriteResults
+
+    before = threading.active_count()
+    queues = [_WriteResults() for _ in range(5)]
+    for q in queues:
+        q.close()
+    for thread in [t for t in threading.enumerate() if t.name == "checkpoint-write-results"]:
+        thread.join(timeout=5)
+    assert threading.active_count() == before
