@@ -176,8 +176,8 @@ class _WriteResults:
     launcher's stdout open. The results are put by the process that ran the writers: this one in a
     synchronous save, the forked background writer in an async one (`put` after the fork: the pipe is
     inherited). A thread here drains the pipe at once, so a large result never blocks that writer on a
-    full pipe (it must exit before the results are read); `get_nowait` waits for the thread up to a few
-    seconds (a plain multiprocessing.Queue's get_nowait right after the put can find the pipe still
+    full pipe (it must exit before the results are read); `get_nowait` waits for the thread up to `wait_s`
+    (a plain multiprocessing.Queue's get_nowait right after the put can find the pipe still
     empty: "results_queue should not be empty", seen in CI's Slurm requeue test on a loaded machine).
     """
 

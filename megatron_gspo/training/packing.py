@@ -266,7 +266,8 @@ def routing_rows(responses: Sequence[Trainable], length: int,
 
 def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
     """[B, length] tensors of the responses of each row (one per row unless `packed`), aligned as in the
-    module docstring, and each response's (row, first position), in row-major order.
+    module docstring, and each response's (row, first position), in row-major order. The responses
+    passed `_check` (pack_minibatch): their log-probs, advantages and stale prefixes fit them.
 
     Python only gathers each response's numbers and places (list extends, no per-token loop); the
     tensors are written with one indexed assignment each. A few torch calls per response instead cost
@@ -284,7 +285,6 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
     for b, row in enumerate(rows):
         start = 0
         for r in row:
-            n = len(places)
             places.append((b, start))
             P, R = len(r.prompt_ids), len(r.response_ids)
             if start + P + R > length:
@@ -292,12 +292,11 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
             starts.append(b * length + start)
             prompt_lens.append(P)
             response_lens.append(R)
-            stale.append(min(getattr(r, "stale_prefix", 0), R))
+            stale.append(getattr(r, "stale_prefix", 0))
             ids.extend(r.prompt_ids)
             ids.extend(r.response_ids)
-            rollout.extend(_checked(r.rollout_logprobs, R, n, "rollout_logprobs") if r.rollout_logprobs is not None
-                           else [0.0] * R)
-            token_advantages.extend(_checked(r.advantage, R, n, "advantage") if per_token else (float(r.advantage),))
+            rollout.extend(r.rollout_logprobs if r.rollout_logprobs is not None else [0.0] * R)
+            token_advantages.extend(r.advantage if per_token else (float(r.advantage),))
             start += P + R
         if packed and start < length:  # padding: its own segment (-1); positions go on from the last response's
             pad_starts.append(b * length + start)
@@ -313,7 +312,8 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
         out[at] = values
         return out.view(B, length)
 
-    tokens = scatter(_spans(starts_t, L_t), ids_t)
+    spans = _spans(starts_t, L_t)                                 # every prompt and response token
+    tokens = scatter(spans, ids_t)
     labels = scatter(_spans(starts_t, L_t - 1), ids_t[_spans(offsets + 1, L_t - 1)])
     targets = _spans(starts_t + P_t - 1, R_t)                     # positions whose label is a response token
     in_response = _spans(torch.zeros_like(R_t), R_t)              # 0 .. R-1 within each response
@@ -324,7 +324,6 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
                   else torch.tensor(token_advantages, dtype=torch.float32))
     segments = positions = None
     if packed:
-        spans = _spans(starts_t, L_t)
         segments = scatter(spans, torch.repeat_interleave(torch.arange(len(responses)), L_t), fill=-1)
         positions = scatter(spans, _spans(torch.zeros_like(L_t), L_t)).view(-1)
         if pad_starts:
@@ -339,13 +338,6 @@ def _spans(firsts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum())
     ends = torch.cumsum(lengths, 0)
     return torch.arange(total) + torch.repeat_interleave(firsts - (ends - lengths), lengths)
-
-
-def _checked(values, expected: int, index: int, name: str) -> list:
-    values = list(values)
-    if len(values) != expected:
-        raise ValueError(f"response {index}: {len(values)} {name} for {expected} response tokens")
-    return values
 
 
 def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int, max_tokens: int,

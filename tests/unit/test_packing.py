@@ -305,8 +305,3 @@ def test_rows_match_a_position_by_position_reference(per_token, pack_sequences):
             assert all(start == 0 for _, start in places)
     assert any(mb.packed for mb in packed.micro_batches) == pack_sequences
 
-
-def test_a_rollout_logprob_count_that_does_not_match_the_response_is_an_error():
-    bad = Response([1, 2], [3, 4, 5], advantage=1.0, rollout_logprobs=[-0.1, -0.2])
-    with pytest.raises(ValueError, match="response 0: 2 rollout log-probs for 3 response tokens"):
-        pack_minibatch([bad], dp_size=1, dp_rank=0, max_tokens=100)
