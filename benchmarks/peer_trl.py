@@ -87,7 +87,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_gspo.config import TrainConfig, load_config  # noqa: E402  (needs the path above)
 from megatron_gspo.loss.policy import clip_range  # noqa: E402
-from megatron_gspo.rollout.server import default_sglang_python  # noqa: E402
+from megatron_gspo.rollout.sglang.server import default_sglang_python  # noqa: E402
 from megatron_gspo.training.metrics import read_metrics  # noqa: E402
 
 TRL_PINS = {"torch": "2.13.0", "trl": "1.16.0", "transformers": "5.19.0", "accelerate": "1.16.0",

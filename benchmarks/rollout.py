@@ -2,7 +2,7 @@
 
 Side by side in one run, on the same server and the same requests (P prompts, n = G, ignore_eos so
 every response has exactly max_new_tokens tokens):
-  client   megatron_gspo.rollout.client.RolloutClient (validation, Sample objects, failover logic)
+  client   megatron_gspo.rollout.sglang.client.RolloutClient (validation, Sample objects, failover logic)
   raw      plain concurrent httpx POSTs of the same /generate payloads, JSON parsed, nothing else
 Rounds alternate raw / client (--rounds each) after one warm-up; reported: median tokens/s of each and
 client / raw (target >= 0.9). Then one update per weight-sync path (disk, tensor, broadcast): seconds
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 from megatron_gspo.config import SamplingConfig  # noqa: E402
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3  # noqa: E402
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, sglang_sampling_params  # noqa: E402
-from megatron_gspo.rollout.server import ServerConfig, launch_servers  # noqa: E402
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, sglang_sampling_params  # noqa: E402
+from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers  # noqa: E402
 from megatron_gspo.samples import Prompt  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main(argv=None):
 
         from transformers import AutoModelForCausalLM
 
-        from megatron_gspo.sync.sglang import BroadcastSync, sync_by_tensor, sync_from_disk, write_hf_checkpoint
+        from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, sync_by_tensor, sync_from_disk, write_hf_checkpoint
         state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         rows = []

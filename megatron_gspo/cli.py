@@ -60,10 +60,10 @@ def _rollout_parser(sub) -> None:
 
 
 def run_rollout(args) -> int:
-    from megatron_gspo.rollout.client import ClientConfig, RolloutClient
+    from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
     from megatron_gspo.rollout.jsonl import read_prompts, write_samples
     from megatron_gspo.rewards.pool import RewardPool, check_batch
-    from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
+    from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
 
     tokenizer_dir = args.tokenizer or args.launch
     encode = None
@@ -184,8 +184,8 @@ def run_serve(args) -> int:
     import socket
 
     from megatron_gspo.config import load_config
-    from megatron_gspo.rollout.serve import serve
-    from megatron_gspo.rollout.server import ServerConfig, default_sglang_python
+    from megatron_gspo.rollout.sglang.serve import serve
+    from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python
 
     config = load_config(args.config, args.overrides)
     python = args.sglang_python or default_sglang_python()
@@ -209,7 +209,7 @@ def _wait_servers_parser(sub) -> None:
 
 
 def run_wait_servers(args) -> int:
-    from megatron_gspo.rollout.serve import wait_for_servers
+    from megatron_gspo.rollout.sglang.serve import wait_for_servers
 
     urls = [u for arg in args.urls for u in arg.split(",") if u]
     waited = wait_for_servers(urls, args.timeout, api_key=args.api_key)

@@ -198,12 +198,12 @@ class RolloutConfig:
     """How the G samples of a group are asked of SGLang (one request per group either way): n (the prompt
     once, sampling_params.n = G: one prefill shared by the G samples) or copies (the prompt G times with
     n = 1: no warm-up round trip, one message to the scheduler; faster for short prompts and with the
-    radix cache off, e.g. the CPU demo). See rollout/client.py:ClientConfig.parallel_sampling."""
+    radix cache off, e.g. the CPU demo). See rollout/sglang/client.py:ClientConfig.parallel_sampling."""
     groups_per_request: int = 1
     """Groups sent to SGLang in one /generate request. 1: one request per group, scored the moment it
     finishes; more: fewer requests (SGLang's per-request cost dominates very short responses), each
     request's groups scored when all of them are done and retried together. See
-    rollout/client.py:ClientConfig.groups_per_request."""
+    rollout/sglang/client.py:ClientConfig.groups_per_request."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
     under run_dir/weights that the servers read; needs a file system they share), tensor (shared

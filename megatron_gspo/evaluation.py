@@ -60,7 +60,7 @@ def eval_metrics(name: str, groups: Sequence[Sequence[Sample]], k: int) -> dict[
 
 
 Generate = Callable[..., Awaitable[tuple[list[list[Sample]], object]]]
-"""A rollout backend's `generate(prompts, n=, sampling=, on_group=)` (rollout/backends.py)."""
+"""A rollout backend's `generate(prompts, n=, sampling=, on_group=)` (rollout/backend.py)."""
 
 
 async def evaluate(generate: Generate, datasets: Mapping[str, Sequence[Prompt]], scorer, sampling: SamplingConfig,

@@ -2,7 +2,7 @@
 
 Two things change when a row holds sequences a, b, ...: each position may attend only to earlier
 positions of its own sequence, and each sequence's rotary angles must be those of its own positions
-0, 1, ... . Both follow from the micro-batch's `segments_BS` and `positions_BS` (types.MicroBatch).
+0, 1, ... . Both follow from the micro-batch's `segments_BS` and `positions_BS` (microbatch.MicroBatch).
 
 The trainer hands the rows' segment ids to the model as its attention mask; the local spec's core
 attention (parallel/cp_attention.py) then attends sequence by sequence (varlen). `packed_attention_mask`

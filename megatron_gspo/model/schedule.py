@@ -1,6 +1,6 @@
 """Running Megatron-Core's forward(/backward) schedule over this rank's model chunks.
 
-The one place both the trainer (training/step.py) and the in-process sampler (rollout/megatron_backend.py)
+The one place both the trainer (training/step.py) and the in-process sampler (rollout/megatron/generator.py)
 enter `get_forward_backward_func`: with the process groups passed explicitly (`pg_collection=`, and a
 P2PCommunicator on the pipeline group), never looked up from Megatron's globals.
 """

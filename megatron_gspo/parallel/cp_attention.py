@@ -156,7 +156,7 @@ class ContextParallelDotProductAttention(MegatronModule):
         `get_batch_on_this_cp_rank` does to 'attention_mask'). Without a mask, causal mask types
         mask by global position.
 
-        An *integer* attention_mask [b, S] is packed rows' segment ids (types.MicroBatch.segments_BS,
+        An *integer* attention_mask [b, S] is packed rows' segment ids (microbatch.MicroBatch.segments_BS,
         the whole row in natural order, -1 on padding): each sequence attends causally to itself only,
         computed sequence by sequence (varlen, like TE's THD path on GPU) instead of as a masked S x S
         product per row; see _segment_attention.

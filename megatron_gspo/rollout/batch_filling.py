@@ -19,12 +19,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Sequence
 
-from megatron_gspo.rollout.client import RolloutStats
+from megatron_gspo.rollout.protocol import RolloutStats
 from megatron_gspo.rollout.scoring import ScoreCounts, Scorer
 from megatron_gspo.samples import Prompt, Sample
 
 GenerateFn = Callable[..., Awaitable[tuple[list[list[Sample]], RolloutStats]]]
-"""Rolls out G samples per prompt: a rollout backend's `generate(prompts, on_group=...)` (rollout/backends.py)."""
+"""Rolls out G samples per prompt: a rollout backend's `generate(prompts, on_group=...)` (rollout/backend.py)."""
 
 
 class PromptsExhausted(RuntimeError):

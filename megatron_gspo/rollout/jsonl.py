@@ -81,7 +81,7 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
 
 
 _ROUTING_DTYPES = {"uint8": np.dtype("<u1"), "int16": np.dtype("<i2")}
-"""The dtypes Sample.routed_experts may have (rollout/routed_experts.py:routing_dtype), by stored name."""
+"""The dtypes Sample.routed_experts may have (rollout/sglang/routed_experts.py:routing_dtype), by stored name."""
 
 
 def _routing_to_json(ids_TLk: np.ndarray, where: str) -> dict:

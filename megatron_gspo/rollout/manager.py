@@ -19,7 +19,7 @@ the next one back until the servers have the new weights (`sync_weights`), so ev
 by one weight version, at most N versions older than the policy that trains on it; each sample carries
 it (`weight_version`) and `staleness_metrics` reports the gap. With rollout.partial_rollout a push
 waits for nothing: the servers hold the requests in flight while they load the new weights and continue
-them under those (sync/sglang.py:generation_paused); a response cut by a push trains only on the tokens
+them under those (rollout/sglang/weight_sync.py:generation_paused); a response cut by a push trains only on the tokens
 after its `stale_prefix` (samples.py), which the newer weights generated, so a batch mixes versions but
 every trained token is at most N versions old. Evaluation holds the background thread back either way
 (until the batch being generated finishes). `ahead()` gives the batches already generated (a checkpoint saves them) and
@@ -49,11 +49,10 @@ from megatron_gspo import profiling
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.data import PromptDataset
 from megatron_gspo.evaluation import eval_sampling, evaluate
-from megatron_gspo.rollout.backends import RolloutBackend
 from megatron_gspo.rollout.batch_filling import PromptsExhausted, ScoredBatch, collect_scored_groups
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.samples import Prompt
-from megatron_gspo.sync.sglang import NamedTensors
+from megatron_gspo.rollout.protocol import NamedTensors, RolloutBackend
 
 
 class StopSignal(Protocol):

@@ -21,7 +21,7 @@ from megatron_gspo.config import TrainConfig
 from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo.evaluation import eval_sampling, evaluate
 from megatron_gspo.rewards.pool import RewardPool
-from megatron_gspo.rollout.backends import SGLangBackend
+from megatron_gspo.rollout.backend import SGLangBackend
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training.preflight import open_datasets
 

@@ -28,7 +28,7 @@ from megatron_gspo.loss.logprobs import vocab_parallel_logprobs
 from megatron_gspo.loss.policy import Algorithm, policy_loss
 from megatron_gspo.model.routing import RoutingPass
 from megatron_gspo.parallel.collectives import group_rank, group_size
-from megatron_gspo.types import MicroBatch, sequence_sums
+from megatron_gspo.microbatch import MicroBatch, sequence_sums
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 One step, as `train` tells it: prompts from data.train (data/) -> G samples each -> rewards from the
 reward pool as groups finish (rollout/manager.py; dynamic sampling rolls out more prompts while groups
 have no signal) -> group advantages (loss/advantages.py) -> K mini-batches, one optimizer step each
-(training/step.py) -> the new weights to the sampler (rollout/backends.py) -> held-out evaluation when
+(training/step.py) -> the new weights to the sampler (rollout/backend.py) -> held-out evaluation when
 due (eval.interval, evaluation.py) -> a checkpoint when due -> one metrics record per optimizer step.
 
 Every rank runs this function. The rollout backend is chosen once (rollout.backend): SGLang servers
@@ -37,9 +37,10 @@ from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo import profiling
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.backends import open_backend, start_sglang
+from megatron_gspo.rollout.backend import open_backend
+from megatron_gspo.rollout.sglang.backend import start_sglang
 from megatron_gspo.rewards.pool import RewardPool
-from megatron_gspo.rollout.server import stop_all
+from megatron_gspo.rollout.sglang.server import stop_all
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt

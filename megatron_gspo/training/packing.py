@@ -33,7 +33,7 @@ The split rule (all ranks compute it identically, no communication):
 The gradient does not depend on the split (forward_step.py's loss contract); only speed does.
 
 Packed rows (`pack_sequences=True`, config `parallel.pack_sequences`): a row holds several responses
-one after the other, each attending causally to itself only (types.MicroBatch.segments_BS; the core
+one after the other, each attending causally to itself only (microbatch.MicroBatch.segments_BS; the core
 attention runs sequence by sequence, parallel/cp_attention.py) and each at its own positions 0, 1, ...
 (positions_BS: its rotary angles are those of a row of its own; model/packed_rows.py). Rule 2 then fills rows first-fit-decreasing up to the mini-batch's longest padded
 response (so no row is longer, nor its attention wider, than without packing) and cuts the rows into
@@ -54,7 +54,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from megatron_gspo.types import MicroBatch
+from megatron_gspo.microbatch import MicroBatch
 
 
 class Trainable(Protocol):
@@ -394,7 +394,7 @@ def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int
 
 
 def responses_from_samples(samples: Sequence, advantages: Sequence[float] | torch.Tensor) -> list[Response]:
-    """The rollout's Samples (megatron_gspo.types.Sample: prompt_ids, response_ids, rollout_logprobs)
+    """The rollout's Samples (megatron_gspo.microbatch.Sample: prompt_ids, response_ids, rollout_logprobs)
     paired in order with their advantages (one per sample, e.g. loss.group_advantages(...).advantages_R)."""
     advantages = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
     if len(samples) != len(advantages):

@@ -18,10 +18,10 @@ from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.rewards.verifiers import load_reward_fn
-from megatron_gspo.rollout.megatron_backend import check_sampling
-from megatron_gspo.rollout.server import check_sglang_python, default_sglang_python
+from megatron_gspo.rollout.megatron.sampling import check_sampling
+from megatron_gspo.rollout.sglang.server import check_sglang_python, default_sglang_python
 from megatron_gspo.samples import Prompt
-from megatron_gspo.sync.sglang import check_disk_sync_folder
+from megatron_gspo.rollout.sglang.weight_sync import check_disk_sync_folder
 
 
 @dataclass

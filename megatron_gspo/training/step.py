@@ -48,7 +48,7 @@ from megatron_gspo.parallel.collectives import group_rank, group_size
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step, policy_forward_step
 from megatron_gspo.training.packing import PackedMiniBatch, Trainable, pack_minibatch
-from megatron_gspo.types import sequence_sums
+from megatron_gspo.microbatch import sequence_sums
 
 
 @dataclass(frozen=True)

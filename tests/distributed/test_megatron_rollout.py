@@ -1,4 +1,4 @@
-"""The in-process Megatron sampler (rollout/megatron_backend.py) under TP2, EP2 (x DP2), PP2 and CP2 samples
+"""The in-process Megatron sampler (rollout/megatron/generator.py) under TP2, EP2 (x DP2), PP2 and CP2 samples
 what one process samples: the same tokens, log-probs within 1e-5, the same finish reasons.
 
 tests/distributed/workers/megatron_rollout.py runs the checks of one layout (including, in the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.rollout.server import SGLANG_PYTHON_ENV, default_sglang_python
+from megatron_gspo.rollout.sglang.server import SGLANG_PYTHON_ENV, default_sglang_python
 
 
 def cuda_missing() -> str | None:

@@ -15,9 +15,9 @@ import torch
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, arithmetic_corpus, make_tiny_qwen3
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient
-from megatron_gspo.rollout.routed_experts import RoutingSpec
-from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec
+from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
 from megatron_gspo.samples import Prompt
 
 pytestmark = [

@@ -12,7 +12,7 @@ tests/sglang/test_weight_sync_sglang.py shows it on CPU:
   - greedy outputs change;
   - syncing the original weights back restores the original greedy outputs exactly (the same bf16
     weights: the originals rounded once, as when the server loaded them).
-Transports (megatron_gspo/sync/sglang.py):
+Transports (megatron_gspo/rollout/sglang/weight_sync.py):
   - tensor: the tensors are on this process's GPU, so the ForkingPickler dump carries CUDA IPC handles and
     the server maps this process's memory (colocated servers: one GPU is enough);
   - broadcast: NCCL from this process (rank 0, GPU 0) to the server's rank (GPU 1). NCCL refuses two
@@ -32,10 +32,10 @@ import torch
 from gpu_requirements import cuda_missing, gpus_missing, sglang_cuda_missing, skip_unless
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient
-from megatron_gspo.rollout.server import ServerConfig, launch_servers
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 from megatron_gspo.samples import Prompt
-from megatron_gspo.sync.sglang import BroadcastSync, ServerAdmin, sync_by_tensor, write_hf_checkpoint
+from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, write_hf_checkpoint
 from tests.sglang.sglang_test_utils import push_during_rollout, recompute_logprobs
 from tests.tiny_hf import read_all
 

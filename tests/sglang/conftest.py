@@ -7,7 +7,7 @@ right after the last other test that uses the servers (see pytest_collection_mod
 import pytest
 
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3
-from megatron_gspo.rollout.server import ServerConfig, launch_servers
+from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 from sglang_test_utils import API_KEY
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
 from megatron_gspo.samples import Prompt
-from megatron_gspo.sync.sglang import DiskSync, ServerAdmin
+from megatron_gspo.rollout.sglang.weight_sync import DiskSync, ServerAdmin
 from sglang_test_utils import API_KEY, push_during_rollout, recompute_logprobs
 
 pytestmark = pytest.mark.sglang

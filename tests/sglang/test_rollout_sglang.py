@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, RolloutError
-from megatron_gspo.rollout.server import cpu_plugin
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, RolloutError
+from megatron_gspo.rollout.sglang.server import cpu_plugin
 from sglang_test_utils import API_KEY, make_prompts, recompute_logprobs
 
 pytestmark = pytest.mark.sglang

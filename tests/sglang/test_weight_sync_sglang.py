@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient
-from megatron_gspo.sync.sglang import BroadcastSync, ServerAdmin, sync_by_tensor, sync_from_disk, write_hf_checkpoint
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, sync_from_disk, write_hf_checkpoint
 from megatron_gspo.samples import Prompt
 
 from sglang_test_utils import API_KEY, recompute_logprobs

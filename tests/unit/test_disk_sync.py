@@ -1,7 +1,7 @@
 """DiskSync refuses a weights folder SGLang's loader cannot find files in (it globs the folder)."""
 import pytest
 
-from megatron_gspo.sync.sglang import DiskSync
+from megatron_gspo.rollout.sglang.weight_sync import DiskSync
 
 
 @pytest.mark.parametrize("name", ["run[1]", "run*", "what?"])

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from megatron_gspo.rollout.client import RolloutStats
+from megatron_gspo.rollout.protocol import RolloutStats
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.scoring import Scorer

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.megatron_backend import (MegatronGenerator, check_sampling, gumbel_noise,
-                                                    sample_from_sharded_logits, sample_keys)
+from megatron_gspo.rollout.megatron.generator import MegatronGenerator
+from megatron_gspo.rollout.megatron.sampling import check_sampling, gumbel_noise, sample_from_sharded_logits, sample_keys
 
 
 def test_noise_of_a_vocab_shard_is_that_slice_of_the_full_vocab():
@@ -84,7 +84,7 @@ def test_stop_tokens_come_from_the_tokenizer_and_both_configs(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from megatron_gspo.rollout.megatron_backend import stop_token_ids
+    from megatron_gspo.rollout.megatron.generator import stop_token_ids
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from megatron_gspo import profiling
 from megatron_gspo.net import free_port
-from megatron_gspo.rollout.client import _covered
+from megatron_gspo.rollout.sglang.client import _covered
 
 
 @pytest.fixture

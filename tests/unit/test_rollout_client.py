@@ -4,7 +4,7 @@ import pytest
 
 from fake_sglang_server import FakeSGLang
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.client import (ClientConfig, RolloutClient, RolloutError, ServerResponseError,
+from megatron_gspo.rollout.sglang.client import (ClientConfig, RolloutClient, RolloutError, ServerResponseError,
                                           sglang_sampling_params)
 from megatron_gspo.samples import Prompt
 
@@ -178,7 +178,7 @@ def answer(tokens, spans=None, version="7"):
 def test_weight_version_spans_set_the_stale_prefix():
     """A response continued after a weight push (rollout.partial_rollout): the tokens before the last
     version's span are its stale prefix, the last span's version is the sample's."""
-    from megatron_gspo.rollout.client import parse_generate_response
+    from megatron_gspo.rollout.sglang.client import parse_generate_response
     prompt = Prompt(group_id=3, prompt_ids=[1, 2])
     cut = answer(5, [{"version": "6", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 5}])
     whole = answer(5, [{"version": "7", "start": 0, "end": 5}])
@@ -200,7 +200,7 @@ def test_weight_version_spans_set_the_stale_prefix():
     ([{"version": "1", "start": 0}], "malformed"),
 ])
 def test_spans_that_do_not_cover_the_response_are_errors(spans, message):
-    from megatron_gspo.rollout.client import parse_generate_response
+    from megatron_gspo.rollout.sglang.client import parse_generate_response
     with pytest.raises(ServerResponseError, match=message):
         parse_generate_response(answer(5, spans), Prompt(group_id=0, prompt_ids=[1]), 1)
 

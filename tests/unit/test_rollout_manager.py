@@ -15,7 +15,8 @@ import torch.distributed as dist
 from megatron_gspo.config import GSPOConfig, ModelConfig, RewardConfig, TrainConfig
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.scoring import Scorer
-from megatron_gspo.rollout.client import RolloutError, RolloutStats
+from megatron_gspo.rollout.protocol import RolloutStats
+from megatron_gspo.rollout.sglang.client import RolloutError
 from megatron_gspo.rollout.manager import Ended, Rollout, staleness_metrics
 from megatron_gspo.net import free_port
 from megatron_gspo.samples import Prompt, Sample
@@ -313,7 +314,7 @@ def test_partial_rollouts_push_into_the_batch_being_generated():
 
 
 class ClientBackend:
-    """The SGLang backend's rollout path (rollout/client.py's RolloutClient) over fake servers that run on an
+    """The SGLang backend's rollout path (rollout/sglang/client.py's RolloutClient) over fake servers that run on an
     event loop of their own thread, as real servers run in processes of their own."""
 
     collective = False
@@ -343,7 +344,7 @@ def test_a_server_dying_mid_overlap_loses_no_sample():
     import asyncio
     import threading
     from fake_sglang_server import FakeSGLang
-    from megatron_gspo.rollout.client import ClientConfig, RolloutClient
+    from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

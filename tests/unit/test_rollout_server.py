@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gspo.rollout.server import CPU_STUBS_DIR, ServerConfig, ServerStartError, SGLangServer, _group_alive
+from megatron_gspo.rollout.sglang.server import CPU_STUBS_DIR, ServerConfig, ServerStartError, SGLangServer, _group_alive
 
 
 def fake_python(tmp_path, body: str) -> str:
@@ -97,7 +97,7 @@ def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
 
 LAUNCHER = """
 import sys, time
-from megatron_gspo.rollout.server import ServerConfig, SGLangServer
+from megatron_gspo.rollout.sglang.server import ServerConfig, SGLangServer
 server = SGLangServer(ServerConfig(model_path=sys.argv[1], python=sys.argv[2], log_dir=sys.argv[1],
                                    die_with_parent=sys.argv[3] == "1")).start()
 print(server.process.pid, flush=True)

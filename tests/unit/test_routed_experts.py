@@ -16,11 +16,11 @@ from fake_sglang_server import FakeSGLang, fake_routing
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, tiny_qwen3_config
 from megatron_gspo.rewards.pool import RewardPool, Score
-from megatron_gspo.rollout.client import ClientConfig, RolloutClient, ServerResponseError
+from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, ServerResponseError
 from megatron_gspo.rollout.jsonl import JsonlError, read_samples, write_samples
-from megatron_gspo.rollout.routed_experts import (RoutingSpec, bytes_per_token, decode_routed_experts,
+from megatron_gspo.rollout.sglang.routed_experts import (RoutingSpec, bytes_per_token, decode_routed_experts,
                                                   encode_for_sglang_wire, routing_dtype)
-from megatron_gspo.rollout.server import CPU_STUBS_DIR, ServerConfig, SGLangServer, default_sglang_python
+from megatron_gspo.rollout.sglang.server import CPU_STUBS_DIR, ServerConfig, SGLangServer, default_sglang_python
 from megatron_gspo.samples import Prompt, Sample
 
 SPEC = RoutingSpec(num_layers=3, topk=2, num_experts=8)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo import cli
-from megatron_gspo.rollout.serve import wait_for_servers
+from megatron_gspo.rollout.sglang.serve import wait_for_servers
 from megatron_gspo.net import free_port
-from megatron_gspo.rollout.server import _group_alive
+from megatron_gspo.rollout.sglang.server import _group_alive
 from tests.tiny_hf import fake_hf_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +39,8 @@ def fake_sglang(tmp_path, lifetime_s: int | None = None) -> str:
 
 SERVE = """
 import sys
-from megatron_gspo.rollout.serve import serve
-from megatron_gspo.rollout.server import ServerConfig
+from megatron_gspo.rollout.sglang.serve import serve
+from megatron_gspo.rollout.sglang.server import ServerConfig
 sys.exit(serve(ServerConfig(model_path=sys.argv[1], python=sys.argv[2], log_dir=sys.argv[1]), int(sys.argv[3])))
 """
 

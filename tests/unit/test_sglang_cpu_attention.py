@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from megatron_gspo.rollout.server import cpu_plugin
+from megatron_gspo.rollout.sglang.server import cpu_plugin
 
 plugin = cpu_plugin()
 

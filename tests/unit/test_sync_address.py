@@ -1,7 +1,7 @@
 """Broadcast weight sync: the address the servers are told to reach the trainer's rank 0 at."""
 import socket
 
-from megatron_gspo.sync.sglang import BroadcastSync, address_towards
+from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, address_towards
 
 
 def test_local_servers_get_loopback():

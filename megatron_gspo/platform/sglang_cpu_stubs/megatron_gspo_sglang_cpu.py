@@ -18,7 +18,7 @@ else (encoder/cross attention, non-causal, sliding windows) goes to SGLang's own
 
 How it reaches the server: a general SGLang plugin (SGLang's `sglang.srt.plugins` entry-point group,
 sglang/srt/plugins/__init__.py), declared by the `megatron_gspo_sglang_cpu-*.dist-info` folder beside this
-file. rollout/server.py puts this folder on PYTHONPATH for CPU servers only; every SGLang process
+file. rollout/sglang/server.py puts this folder on PYTHONPATH for CPU servers only; every SGLang process
 calls `load_plugins()` at start; the plugin prints INSTALLED (below) to the server log. GPU servers
 never see it. MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION=0 in the server's environment turns it off
 (ServerConfig.batched_attention=False).

@@ -32,7 +32,7 @@ from megatron_gspo.model.gpt import build_model, transformer_config
 from megatron_gspo.config import ParallelConfig
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_step
-from megatron_gspo.types import MicroBatch
+from megatron_gspo.microbatch import MicroBatch
 
 from checks import check, done
 from trainer_common import parallel_layout

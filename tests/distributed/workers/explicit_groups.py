@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.megatron_backend import MegatronGenerator
+from megatron_gspo.rollout.megatron.generator import MegatronGenerator
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
 from megatron_gspo.samples import Prompt

@@ -26,7 +26,7 @@ from megatron_gspo.config import GSPOConfig, ModelConfig, ParallelConfig, Rollou
 from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.megatron_backend import MegatronGenerator
+from megatron_gspo.rollout.megatron.generator import MegatronGenerator
 from megatron_gspo.training.setup import build_policy
 from megatron_gspo.samples import Prompt
 

@@ -23,7 +23,7 @@ from megatron_gspo.config import ParallelConfig
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.platform.cpu import PATCHES, CudaLiteralsToCpu, apply_cpu_patches, revert_cpu_patches
 from megatron_gspo.training.forward_step import LossSettings, policy_forward_step
-from megatron_gspo.types import MicroBatch
+from megatron_gspo.microbatch import MicroBatch
 
 from checks import check, done
 

@@ -29,7 +29,7 @@ from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
-from megatron_gspo.rollout.megatron_backend import MegatronGenerator
+from megatron_gspo.rollout.megatron.generator import MegatronGenerator
 from megatron_gspo.samples import Prompt
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import responses_from_samples

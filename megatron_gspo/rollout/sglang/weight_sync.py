@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Iterable, Iterator, Literal, Protocol
+from typing import Iterator, Literal, Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -46,8 +46,8 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 from megatron_gspo import profiling
 from megatron_gspo.net import auth_headers, free_port, tls_context
+from megatron_gspo.rollout.protocol import NamedTensors
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
@@ -150,7 +150,7 @@ def generation_paused(admins: list[ServerAdmin]) -> Iterator[None]:
     "retract" puts them back in its queue (their KV cache freed, so a weight update may flush the cache)
     and /continue_generation resumes them after it, their prompt and tokens so far prefilled again with
     the weights loaded meanwhile; a request that arrives meanwhile waits. Each answer then tells which
-    output tokens which weights generated (meta_info.weight_versions; rollout/client.py:stale_prefix).
+    output tokens which weights generated (meta_info.weight_versions; rollout/sglang/client.py:stale_prefix).
     The servers continue even when the block fails (a failed continue then does not hide its error)."""
     failed = True
     try:

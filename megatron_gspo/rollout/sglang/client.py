@@ -10,7 +10,7 @@ reset, timeout, HTTP 5xx, an aborted sample) is retried on another server; a ser
 fix (HTTP 4xx such as a wrong API key, a malformed response, a null log-prob) stop the rollout.
 
 With `ClientConfig.routed_experts` set (gspo.routing_replay=rollout) every request also asks for the
-MoE routing SGLang used, and each Sample carries it (`Sample.routed_experts`, rollout/routed_experts.py).
+MoE routing SGLang used, and each Sample carries it (`Sample.routed_experts`, rollout/sglang/routed_experts.py).
 
 The client speaks HTTP only (httpx); it runs in the trainer's environment, not SGLang's.
 """
@@ -29,7 +29,8 @@ import httpx
 from megatron_gspo import profiling
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.net import auth_headers, tls_context
-from megatron_gspo.rollout.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
+from megatron_gspo.rollout.protocol import RolloutStats
+from megatron_gspo.rollout.sglang.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
 from megatron_gspo.samples import Prompt, Sample
 
 
@@ -108,27 +109,6 @@ class ServerResponseError(RolloutError):
 
 class _RetryableError(Exception):
     """A failure in transit: the same group may succeed on another server."""
-
-
-@dataclass
-class RolloutStats:
-    """What happened during one `generate` call."""
-
-    requests_ok: dict[str, int] = field(default_factory=dict)
-    """Successful requests per server URL."""
-    failures: list[tuple[str, int, str]] = field(default_factory=list)
-    """(server, group_id, error) for every failed attempt that was retried."""
-    retired: dict[str, str] = field(default_factory=dict)
-    """Servers retired during the call, with the last error."""
-    elapsed_s: float = 0.0
-    response_tokens: int = 0
-    server_intervals: list[tuple[float, float]] = field(default_factory=list)
-    """(start, end) wall-clock times of each request inside its server (SGLang's meta_info e2e_latency
-    ending at response_sent_to_client_ts): how much of the call the servers were working on it."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.response_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 class _Server:

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from megatron_gspo.rollout.server import ServerConfig, SGLangServer, health_generate
+from megatron_gspo.rollout.sglang.server import ServerConfig, SGLangServer, health_generate
 
 
 class _Stop(Exception):

@@ -29,8 +29,8 @@ from typing import Iterator
 
 from megatron_gspo.net import auth_headers, server_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CPU_STUBS_DIR = Path(__file__).resolve().parents[1] / "platform" / "sglang_cpu_stubs"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CPU_STUBS_DIR = Path(__file__).resolve().parents[2] / "platform" / "sglang_cpu_stubs"
 """SGLang's CPU import stand-ins (platform/sglang_cpu_stubs/README.md), a folder put on PYTHONPATH."""
 SGLANG_PYTHON_ENV = "MEGATRON_GSPO_SGLANG_PYTHON"
 BATCHED_ATTENTION_ENV = "MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION"

@@ -1,0 +1,70 @@
+"""What both rollout backends share: the backend protocol, the stats of one call, the callback types.
+
+    groups, stats = await backend.generate(prompts)    # one list of G Samples per prompt, in order
+    groups, stats = await backend.generate(prompts, n=k, sampling=eval_sampling, on_group=scorer.submit)
+    backend.sync_weights(named_tensors, version="7")   # the weights that sample next
+    backend.close()
+
+The backends: SGLang servers reached over HTTP by rank 0 alone (rollout/sglang/), and the trainer's own
+model generating collectively on every rank (rollout/megatron/); `rollout.backend.open_backend` picks one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from megatron_gspo.config import SamplingConfig
+from megatron_gspo.samples import Prompt, Sample
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+"""(Hugging Face name, full tensor) pairs in order, e.g. convert.export.iter_hf_tensors(...)."""
+
+OnGroup = Callable[[list[Sample]], None]
+"""Called with each group of samples as it finishes (the reward scorer starts on it)."""
+
+
+@dataclass
+class RolloutStats:
+    """What happened during one `generate` call."""
+
+    requests_ok: dict[str, int] = field(default_factory=dict)
+    """Successful requests per server URL."""
+    failures: list[tuple[str, int, str]] = field(default_factory=list)
+    """(server, group_id, error) for every failed attempt that was retried."""
+    retired: dict[str, str] = field(default_factory=dict)
+    """Servers retired during the call, with the last error."""
+    elapsed_s: float = 0.0
+    response_tokens: int = 0
+    server_intervals: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) wall-clock times of each request inside its server (SGLang's meta_info e2e_latency
+    ending at response_sent_to_client_ts): how much of the call the servers were working on it."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.response_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class RolloutBackend(Protocol):
+    collective: bool
+    """True: every trainer rank holds the backend and calls it together; False: rank 0 only."""
+
+    async def generate(self, prompts: Sequence[Prompt], *, n: int | None = None, sampling: SamplingConfig | None = None,
+                       on_group: OnGroup | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+        """n samples for each prompt (default G = gspo.group_size) with `sampling` (default the run's
+        sampling settings), each with its log-probs and weight version. `on_group(samples)` is called with
+        each finished group (at once, or when all are done if the backend cannot tell earlier)."""
+
+    def sync_weights(self, named_tensors: NamedTensors, version: str) -> None:
+        """Make (HF name, full tensor) pairs the weights that sample next, as `version`. A backend that
+        needs no tensors leaves the iterable unread."""
+
+    def close(self) -> None:
+        """Stop what the backend started (servers, weight-update groups)."""
+
+    async def keep_connections(self) -> None:
+        """This event loop will live across calls: keep connections to the sampler open between them."""
+
+    async def close_connections(self) -> None:
+        """Close what `keep_connections` kept open in this event loop."""

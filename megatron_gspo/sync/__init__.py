@@ -1,1 +1,0 @@
-"""Weight sync trainer -> rollout servers (disk / tensor / broadcast) from (HF name, tensor) pairs."""
