@@ -7,7 +7,7 @@ row, and several per row (first-fit-decreasing up to the longest response, a blo
 mask, each response at its own rotary positions). Two passes of each, in the same processes on the same
 weights (lr 0, so every rep sees the same weights and both sides the same loss):
   train      training/step.py:_optimizer_step: GSPO forward/backward + Megatron's optimizer step
-  recompute  training/step.py:_recompute_old_logprobs: forward-only log-probs + entropy
+  recompute  training/old_logprobs.py:recompute_old_logprobs: forward-only log-probs + entropy
 Reps alternate the order (unpacked first on even reps, packed first on odd ones); rep 0 is a warm-up.
 Time: wall between two barriers (the slowest rank) and CPU time of the busiest rank; medians over reps,
 ratios are medians of per-rep packed/unpacked ratios. The values (loss -J, the recompute's mean
@@ -59,7 +59,11 @@ from megatron_gspo.model.gpt import build_model, transformer_config  # noqa: E40
 from megatron_gspo.parallel.groups import init_megatron, manual_seed  # noqa: E402
 from megatron_gspo.training.forward_step import LossSettings  # noqa: E402
 from megatron_gspo.training.optimizer import build_optimizer  # noqa: E402
-from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs  # noqa: E402
+from megatron_gspo.training.old_logprobs import OldPolicy, pack, recompute_old_logprobs  # noqa: E402
+from megatron_gspo.training.step import _optimizer_step  # noqa: E402
+
+SHORT = {"loss/value": "loss", "train/entropy": "entropy"}
+"""The record keys shown, by their short names."""
 
 SIDES = ("unpacked", "packed")
 PASSES = ("train", "recompute")
@@ -74,15 +78,15 @@ def worker(args):
     optimizer, _ = build_optimizer(model, OptimizerConfig(lr=1e-6), total_steps=1)
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
+    loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     responses = long_tailed_responses(args, shape.vocab_size)
-    minis = {side: _pack(responses, pgs, args.max_tokens, pack_sequences=side == "packed") for side in SIDES}
-    runs = {(side, "train"): (lambda m=minis[side]: _optimizer_step(model, optimizer, m, loss, pgs))
+    minis = {side: pack(responses, pgs, args.max_tokens, pack_sequences=side == "packed") for side in SIDES}
+    runs = {(side, "train"): (lambda m=minis[side]: _optimizer_step(model, optimizer, m, loss, pgs, OldPolicy()))
             for side in SIDES}
-    runs.update({(side, "recompute"): (lambda m=minis[side]: _recompute_old_logprobs(model, m, loss, pgs))
+    runs.update({(side, "recompute"): (lambda m=minis[side]: recompute_old_logprobs(model, m, loss, pgs))
                  for side in SIDES})
     for side in SIDES:  # old log-probs for the train pass, and a warm-up of everything
-        _recompute_old_logprobs(model, minis[side], loss, pgs)
+        recompute_old_logprobs(model, minis[side], loss, pgs)
     for run in runs.values():
         run()
     times = {key: [] for key in runs}
@@ -99,7 +103,7 @@ def worker(args):
                 if rep > 0:
                     times[(side, what)].append(time.perf_counter() - start)
                     cpu[(side, what)].append(time.process_time() - start_cpu)
-                values[f"{side} {what}"] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy")}
+                values[f"{side} {what}"] = {short: float(record[k]) for k, short in SHORT.items() if k in record}
     logprob_sums = torch.tensor([[sum(float(mb.old_logprobs_BS.double().sum()) for mb in minis[s].micro_batches),
                                   sum(float(mb.loss_mask_BS.sum()) for mb in minis[s].micro_batches),
                                   padding_fraction(minis[s], responses), minis[s].num_microbatches,

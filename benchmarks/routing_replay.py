@@ -43,10 +43,10 @@ def worker(args) -> None:
     from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
     from megatron_gspo.model.routing import MoERouting
     from megatron_gspo.parallel.groups import init_megatron
-    from megatron_gspo.training import step as step_module
     from megatron_gspo.training.forward_step import LossSettings
     from megatron_gspo.training.packing import Response
-    from megatron_gspo.training.step import StepSettings, train_on_batch
+    from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_source
+    from megatron_gspo.training.step import train_on_batch
 
     world = int(os.environ["WORLD_SIZE"])
     shape = dataclasses.replace(TINY_MOE, num_layers=args.layers, num_experts=args.experts)
@@ -66,7 +66,7 @@ def worker(args) -> None:
                       torch.randint(1, shape.vocab_size, (int(torch.randint(args.min_len, args.max_len, (), generator=g)),),
                                     generator=g).tolist(), advantages[i]) for i in range(n)]
     response_tokens = sum(len(r.response_ids) for r in batch)
-    loss = LossSettings(algorithm="grpo", vocab_size=shape.vocab_size)
+    loss = LossSettings(algorithm="grpo", temperature=1.0, vocab_size=shape.vocab_size)
 
     # Measure the recorded routing's bytes: wrap RoutingPass creation to keep the recompute passes.
     passes = []
@@ -89,13 +89,15 @@ def worker(args) -> None:
                 for param, value in zip((p for chunk in model for p in chunk.parameters()), initial):
                     param.copy_(value)
             settings = StepSettings(loss=loss, num_minibatches=4, max_tokens_per_microbatch=args.max_tokens,
-                                    routing_replay="off" if mode == "none" else mode)
+                                    pack_sequences=False)
+            source = old_logprobs_source("recompute", "auto", "off" if mode == "none" else mode,
+                                         None if mode == "none" else routing)
             passes.clear()
             dist.barrier()
             reset_peak_rss()
             base = mem_kb("VmRSS")
             start = time.perf_counter()
-            train_on_batch(model, optimizer, batch, settings, pgs=pgs, routing=None if mode == "none" else routing)
+            train_on_batch(model, optimizer, batch, settings, source, pgs=pgs)
             elapsed = time.perf_counter() - start
             peak = mem_kb("VmHWM") - base
             if mode == "old":

@@ -10,7 +10,7 @@ Four passes over one packed mini-batch, in the same processes, on the same weigh
                        inside the model, loss_func is the masked mean over the micro-batch's
                        response tokens (pretrain_gpt.py's legacy two-tuple contract, as
                        calculate_per_token_loss=False here), its value averaged over DP for logging
-  (c) gspo recompute   training/step.py:_recompute_old_logprobs: forward-only, log-probs + entropy
+  (c) gspo recompute   training/old_logprobs.py:recompute_old_logprobs: forward-only, log-probs + entropy
                        of every response token, the rollout-gap / entropy reduction
   (d) megatron forward (b)'s forward step with forward_only=True under torch.no_grad(), as
                        Megatron-LM's evaluate() runs it
@@ -130,7 +130,11 @@ from megatron_gspo.training.forward_step import LossSettings  # noqa: E402
 from megatron_gspo.training.optimizer import build_optimizer  # noqa: E402
 from megatron_gspo.training.packing import Response  # noqa: E402
 # private helpers of the trainer's step, used as they are (the path under measurement)
-from megatron_gspo.training.step import _optimizer_step, _pack, _recompute_old_logprobs  # noqa: E402
+from megatron_gspo.training.old_logprobs import OldPolicy, pack, recompute_old_logprobs  # noqa: E402
+from megatron_gspo.training.step import _optimizer_step  # noqa: E402
+
+SHORT = {"loss/value": "loss", "loss": "loss", "train/entropy": "entropy", "train/grad_norm": "grad_norm"}
+"""The record keys shown, by their short names."""
 from tests.torchrun import torchrun  # noqa: E402
 
 
@@ -254,9 +258,9 @@ def worker(args):
     optimizer, _ = build_optimizer(model, OptimizerConfig(lr=1e-6), total_steps=1)
     for group in optimizer.param_groups:
         group["lr"] = 0.0  # the same weights every rep (see the docstring)
-    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
+    loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     responses = long_tailed_responses(args, shape.vocab_size)
-    mini = _pack(responses, pgs, args.max_tokens)
+    mini = pack(responses, pgs, args.max_tokens, pack_sequences=False)
 
     def megatron_step():
         for chunk in model:
@@ -272,9 +276,9 @@ def worker(args):
         return {"loss": statistics.fmean(float(o["lm loss"]) for o in outputs)}
 
     def recompute():
-        return _recompute_old_logprobs(model, mini, loss, pgs)
+        return recompute_old_logprobs(model, mini, loss, pgs)
 
-    passes = [lambda: _optimizer_step(model, optimizer, mini, loss, pgs), megatron_step, recompute,
+    passes = [lambda: _optimizer_step(model, optimizer, mini, loss, pgs, OldPolicy()), megatron_step, recompute,
               megatron_forward]
     times = [[] for _ in PASSES]  # wall s per rep
     cpu = [[] for _ in PASSES]  # this process's CPU s per rep (all threads)
@@ -283,7 +287,7 @@ def worker(args):
     values = [{} for _ in PASSES]
     # (a) trains on the recomputed old log-probs: fill them before the first (a); then one warm-up
     # of every pass (first-call allocations: Adam's state, autograd's and gloo's buffers)
-    _recompute_old_logprobs(model, mini, loss, pgs)
+    recompute_old_logprobs(model, mini, loss, pgs)
     for run in passes:
         run()
     # Memory first, while every allocation above MMAP_THRESHOLD_MEMORY is its own mmap (set for
@@ -316,7 +320,7 @@ def worker(args):
             if rep > 0:
                 times[i].append(elapsed)
                 cpu[i].append(elapsed_cpu)
-            values[i] = {k: float(v) for k, v in record.items() if k in ("loss", "entropy", "grad_norm")}
+            values[i] = {short: float(record[k]) for k, short in SHORT.items() if k in record}
 
     # response tokens, real tokens, padding fraction (summed over DP here), sum of the recomputed
     # log-probs (the old_logprobs_BS that (c) filled in; zero off the loss mask)

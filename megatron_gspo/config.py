@@ -140,11 +140,13 @@ class GSPOConfig:
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     """Where pi_old's log-probs come from: recomputed by Megatron before the first mini-batch
     (mini-batch 1 then has s_i == 1 exactly), or the rollout engine's own."""
-    recompute: Literal["fused", "per_minibatch"] = "fused"
-    """How old_logprobs=recompute runs (training/step.py): fused: mini-batch 1's pi_old is its own training
-    forward (detached; s_i == 1 exactly) and mini-batches 2..K are recomputed in one forward-only pass,
-    re-packed by parallel.max_tokens_per_microbatch; per_minibatch: one forward-only pass per mini-batch on
-    the micro-batches it trains on. MoE models always run per_minibatch (routing is recorded per micro-batch)."""
+    recompute: Literal["auto", "fused", "per_minibatch"] = "auto"
+    """How old_logprobs=recompute runs (training/old_logprobs.py): fused: mini-batch 1's pi_old is its own
+    training forward (detached; s_i == 1 exactly) and mini-batches 2..K are recomputed in one forward-only
+    pass, re-packed by parallel.max_tokens_per_microbatch (dense models only); per_minibatch: one
+    forward-only pass per mini-batch on the micro-batches it trains on, recording an MoE model's routing
+    per micro-batch; auto: fused for dense models, per_minibatch for MoE models. Only with
+    old_logprobs=recompute."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_step: int = 32
@@ -174,6 +176,9 @@ class GSPOConfig:
         _check(self.routing_replay != "old" or self.old_logprobs == "recompute", "gspo.routing_replay",
                "must not be old with gspo.old_logprobs=rollout (old replays the routing recorded while "
                "recomputing pi_old's log-probs)", self.routing_replay)
+        _check(self.recompute == "auto" or self.old_logprobs == "recompute", "gspo.recompute",
+               "applies to gspo.old_logprobs=recompute only (with rollout nothing is recomputed); leave it auto",
+               self.recompute)
         responses = self.prompts_per_step * self.group_size
         _check(responses % self.num_minibatches == 0, "gspo.num_minibatches",
                f"must divide prompts_per_step * group_size = {responses}", self.num_minibatches)

@@ -250,23 +250,24 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
 
 
 def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
-    """User-facing numbers from reduced raw aggregates (docs/gspo.md's metric list)."""
+    """User-facing numbers from reduced raw aggregates (docs/gspo.md's metric list), under their logged names:
+    loss/ for the objective's ratios and clipping, train/ for the tokens and the policy's entropy."""
     get = lambda k: float(raw[k])
     valid, tokens = max(get("sequences_valid"), 1.0), max(get("tokens"), 1.0)
     return {
-        "clipped_fraction_seq": get("sequences_clipped") / valid,
-        "clipped_fraction_token": get("tokens_clipped") / tokens,
-        "ratio_mean": get("ratio_sum") / valid,
-        "ratio_min": get("ratio_min"),
-        "ratio_max": get("ratio_max"),
-        "abs_log_ratio_per_token": get("abs_log_ratio_token_sum") / tokens,
-        "abs_log_ratio_per_seq": get("abs_log_ratio_seq_sum") / valid,
-        "log_ratio_token_std": _std(get("log_ratio_token_sum"), get("log_ratio_token_sq_sum"), tokens),
-        "log_ratio_seq_std": _std(get("log_ratio_seq_sum"), get("log_ratio_seq_sq_sum"), valid),
-        "sequences_empty": get("sequences_empty"),
-        "sequences_nonfinite": get("sequences_nonfinite"),
-        "response_tokens": get("tokens"),
-        **({"entropy": get("entropy_token_sum") / tokens} if "entropy_token_sum" in raw else {}),
+        "loss/clipped_fraction_seq": get("sequences_clipped") / valid,
+        "loss/clipped_fraction_token": get("tokens_clipped") / tokens,
+        "loss/ratio_mean": get("ratio_sum") / valid,
+        "loss/ratio_min": get("ratio_min"),
+        "loss/ratio_max": get("ratio_max"),
+        "loss/abs_log_ratio_per_token": get("abs_log_ratio_token_sum") / tokens,
+        "loss/abs_log_ratio_per_seq": get("abs_log_ratio_seq_sum") / valid,
+        "loss/log_ratio_token_std": _std(get("log_ratio_token_sum"), get("log_ratio_token_sq_sum"), tokens),
+        "loss/log_ratio_seq_std": _std(get("log_ratio_seq_sum"), get("log_ratio_seq_sq_sum"), valid),
+        "loss/sequences_empty": get("sequences_empty"),
+        "loss/sequences_nonfinite": get("sequences_nonfinite"),
+        "train/response_tokens": get("tokens"),
+        **({"train/entropy": get("entropy_token_sum") / tokens} if "entropy_token_sum" in raw else {}),
     }
 
 

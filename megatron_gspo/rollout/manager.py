@@ -87,7 +87,7 @@ class RolloutBatch:
     """time.monotonic() on rank 0 when its generation started and ended."""
 
     def metrics(self) -> dict[str, float]:
-        return {**self.scored.metrics(), "data_epoch": float(self.epoch)}
+        return {**self.scored.metrics(), "data/epoch": float(self.epoch)}
 
 
 def staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, float]:
@@ -97,7 +97,7 @@ def staleness_metrics(batch: RolloutBatch, policy_version: int) -> dict[str, flo
     gaps = [policy_version - int(v) for v in versions if v is not None and str(v).lstrip("-").isdigit()]
     if not gaps:
         return {}
-    return {"rollout_staleness_mean": sum(gaps) / len(gaps), "rollout_staleness_max": float(max(gaps))}
+    return {"rollout/staleness_mean": sum(gaps) / len(gaps), "rollout/staleness_max": float(max(gaps))}
 
 
 class Rollout:

@@ -33,16 +33,18 @@ from megatron_gspo.microbatch import MicroBatch, sequence_sums
 
 @dataclass(frozen=True)
 class LossSettings:
-    algorithm: Algorithm = "gspo"
+    """The loss's settings (training/setup.py:step_settings builds them from gspo.* and sampling.temperature)."""
+
+    algorithm: Algorithm
     """gspo | gspo_token | grpo."""
-    eps_low: float | None = None
-    """Lower clip range (None: the algorithm's default, GSPO 3e-4, GRPO 0.2)."""
-    eps_high: float | None = None
-    """Upper clip range (None: GSPO 4e-4, GRPO 0.27)."""
-    temperature: float = 1.0
+    temperature: float
     """Sampling temperature; the training logits are divided by it as the sampler's were."""
-    vocab_size: int | None = None
-    """True vocabulary size; Megatron's padded rows above it are excluded from the softmax."""
+    vocab_size: int | None
+    """True vocabulary size; Megatron's padded rows above it are excluded from the softmax (None: no padding)."""
+    eps_low: float | None = None
+    """Lower clip range (None: the algorithm's default, loss.policy.DEFAULT_CLIP)."""
+    eps_high: float | None = None
+    """Upper clip range (None: the algorithm's default)."""
 
 
 def _logprobs(logits_SBV, batch: MicroBatch, settings: LossSettings, pgs: ProcessGroupCollection, *,

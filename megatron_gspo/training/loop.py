@@ -44,11 +44,11 @@ from megatron_gspo.rollout.sglang.server import stop_all
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
-from megatron_gspo.training.metrics import MetricsLogger, namespaced, plot
+from megatron_gspo.training.metrics import MetricsLogger, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
 from megatron_gspo.training.preflight import Prepared, preflight
-from megatron_gspo.training.setup import Policy, build_policy, step_settings
+from megatron_gspo.training.setup import Policy, build_policy, old_logprobs, step_settings
 from megatron_gspo.training.step import train_on_batch
 
 
@@ -69,7 +69,7 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
     pgs = init_megatron(config.parallel, seed=config.seed)  # every process group, built once
     stop = StopRequest()
     policy = build_policy(config, pgs)
-    settings = step_settings(config, policy.shape)
+    settings, source = step_settings(config, policy.shape), old_logprobs(config, policy)
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
     saves = ckpt.BackgroundSaves() if config.checkpoint.async_save else None
@@ -86,9 +86,9 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
             log_eval(logger, config, state.step, rollout.evaluate())
         evaluated_step, data_ended, previous = state.step, False, None
         while state.step < config.num_steps:
-            times = {"time_step_s": time.perf_counter()}
+            times = {"time/step_s": time.perf_counter()}
             # 1-2. Prompts -> G samples each -> rewards; the same batch on every rank.
-            batch = timed(times, "time_rollout_s", rollout.generate, state.data_state or 0)
+            batch = timed(times, "time/rollout_s", rollout.generate, state.data_state or 0)
             if isinstance(batch, Ended):  # nothing of this step is done
                 data_ended = batch.reason == "data"
                 # a stop signal (the servers got it too), or the data's epochs are used up
@@ -106,23 +106,23 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                 responses = with_advantages(batch, config)
             # 4. K mini-batches, one optimizer step each.
             with profiling.span("train"):
-                records = train_on_batch(policy.model, policy.optimizer, responses, settings, pgs=pgs,
-                                         scheduler=policy.scheduler, routing=policy.routing)
+                records = train_on_batch(policy.model, policy.optimizer, responses, settings, source, pgs=pgs,
+                                         scheduler=policy.scheduler)
             state.step, state.data_state = state.step + 1, batch.next_position
             # 5. The new weights to the sampler (a push interrupted by a stop signal reaches it on resume).
-            timed(times, "time_sync_s", rollout.sync_weights, export, str(state.step))
-            times["time_sync_wait_s"] = rollout.sync_wait_s
+            timed(times, "time/sync_s", rollout.sync_weights, export, str(state.step))
+            times["time/sync_wait_s"] = rollout.sync_wait_s
             stopping = stop.agreed()
             # 6. Held-out evaluation every eval.interval rollout steps and at the end.
-            times["time_eval_s"], evaluation = 0.0, {}
+            times["time/eval_s"], evaluation = 0.0, {}
             if eval_due(config, state.step, stopping):
-                evaluation = timed(times, "time_eval_s", rollout.evaluate)
+                evaluation = timed(times, "time/eval_s", rollout.evaluate)
                 evaluated_step = state.step
             # 7. A checkpoint every `interval` steps, at the end, and when asked to stop (with
             # checkpoint.async_save, written in the background and published once every rank has).
-            due, times["time_checkpoint_s"] = checkpoint_due(config, state.step, stopping), 0.0
+            due, times["time/checkpoint_s"] = checkpoint_due(config, state.step, stopping), 0.0
             if due or saves is not None:
-                timed(times, "time_checkpoint_s", checkpoint, config, state, policy, rollout, saves, due)
+                timed(times, "time/checkpoint_s", checkpoint, config, state, policy, rollout, saves, due)
             saved_step = state.step if due else saved_step
             # 8. One record per optimizer step: the step's rollout numbers and timings on each (with
             # logging.profile, the parts of this step; the logging of a step counts in the next one's).
@@ -148,9 +148,9 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
 
 
 def timed(times: dict, key: str, fn, *args):
-    """fn(*args), its wall time in times[key] ("time_NAME_s"; with logging.profile also the part NAME)."""
+    """fn(*args), its wall time in times[key] ("time/NAME_s"; with logging.profile also the part NAME)."""
     start = time.perf_counter()
-    with profiling.span(key.removeprefix("time_").removesuffix("_s")):
+    with profiling.span(key.removeprefix("time/").removesuffix("_s")):
         result = fn(*args)
     times[key] = time.perf_counter() - start
     return result
@@ -241,32 +241,32 @@ def checkpoint(config: TrainConfig, state: ckpt.TrainerState, policy: Policy, ro
 def overlap_times(rollout: Rollout, batch: RolloutBatch, previous: RolloutBatch | None, version: int) -> dict:
     """What overlapping rollouts with training shows: the staleness of the batch's weights, its generation
     time (in the background with max_staleness > 0) and how long the sampler sat idle before it."""
-    out = {"time_rollout_generate_s": batch.generate_s, **staleness_metrics(batch, version)}
+    out = {"time/rollout_generate_s": batch.generate_s, **staleness_metrics(batch, version)}
     if previous is not None and batch.started_at and previous.ended_at:
-        out["time_sampler_idle_s"] = max(batch.started_at - previous.ended_at, 0.0)
+        out["time/sampler_idle_s"] = max(batch.started_at - previous.ended_at, 0.0)
     return out
 
 
 def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: RolloutBatch, records: list[dict],
              times: dict) -> None:
     """One record per optimizer step of rollout step `step`; a progress line when asked."""
-    times = {**times, "time_step_s": time.perf_counter() - times["time_step_s"],
-             "time_recompute_s": sum(r.get("recompute_time_s", 0.0) for r in records),
-             "time_train_s": sum(r["train_time_s"] for r in records)}
+    times = {**times, "time/step_s": time.perf_counter() - times["time/step_s"],
+             "time/recompute_s": sum(r.get("time/minibatch_recompute_s", 0.0) for r in records),
+             "time/train_s": sum(r["time/minibatch_train_s"] for r in records)}
     rollout_metrics = batch.metrics()
     # Mini-batch 1 trains the sampling weights' batch before any update: with rollout log-probs (and a
     # stale batch) its ratios show the gap between behaviour and training policy.
-    rollout_metrics.update({f"{key}_minibatch1": records[0][key] for key in ("clipped_fraction_seq",
-                            "clipped_fraction_token") if key in records[0]})
+    rollout_metrics.update({f"{key}_minibatch1": records[0][key] for key in ("loss/clipped_fraction_seq",
+                            "loss/clipped_fraction_token") if key in records[0]})
     k = config.gspo.num_minibatches
     for i, record in enumerate(records):
-        logger.log((step - 1) * k + i + 1, {"rollout_step": step, **namespaced({**rollout_metrics, **times, **record})})
+        logger.log((step - 1) * k + i + 1, {"rollout_step": step, **rollout_metrics, **times, **record})
     if config.logging.progress_bar:
-        print(f"step {step}/{config.num_steps}  reward {rollout_metrics['reward_mean']:.3f}  "
-              f"zero-signal groups {rollout_metrics['zero_signal_group_fraction']:.2f}  "
-              f"clipped {records[-1].get('clipped_fraction_seq', float('nan')):.3f}  "
-              f"{times['time_step_s']:.1f} s (rollout {times['time_rollout_s']:.1f}, "
-              f"train {times['time_recompute_s'] + times['time_train_s']:.1f}, sync {times['time_sync_s']:.1f})",
+        print(f"step {step}/{config.num_steps}  reward {rollout_metrics['reward/mean']:.3f}  "
+              f"zero-signal groups {rollout_metrics['reward/zero_signal_group_fraction']:.2f}  "
+              f"clipped {records[-1].get('loss/clipped_fraction_seq', float('nan')):.3f}  "
+              f"{times['time/step_s']:.1f} s (rollout {times['time/rollout_s']:.1f}, "
+              f"train {times['time/recompute_s'] + times['time/train_s']:.1f}, sync {times['time/sync_s']:.1f})",
               flush=True)
 
 

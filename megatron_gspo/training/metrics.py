@@ -5,11 +5,11 @@ metrics.jsonl holds one JSON object per optimizer step: {"step": 12, "rollout_st
 "reward/mean": 0.41, "loss/clipped_fraction_seq": 0.02, ...}. Non-finite numbers are written as null
 (JSON has no NaN). Only rank 0 should create a MetricsLogger.
 
-Metric names are namespaced: reward/ (the verifier's rewards), rollout/ (what was generated), loss/ (the
-policy loss and its ratios), train/ (optimizer, gradients, the policy's entropy, train-vs-rollout
-log-prob gap), time/ (seconds). `METRIC_NAMES` maps the names the code computes to the logged ones; it
-is also the documented mapping from the names of runs logged before the namespaces (`read_metrics`
-renames those records).
+Metric names are namespaced where they are computed: reward/ (the verifier's rewards), rollout/ (what was
+generated), loss/ (the policy loss and its ratios), train/ (optimizer, gradients, the policy's entropy,
+train-vs-rollout log-prob gap), moe/ (routing), time/ (seconds), data/, eval/ and profile/. A record with a
+name outside these is refused (`NAMESPACES`). Runs logged before the namespaces are read under today's
+names (`read_metrics`, with `LEGACY_NAMES`).
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 
-METRIC_NAMES: dict[str, str] = {
-    # reward/: over every generated sample; *_trained over the groups that train (rollout/batch_filling.py)
+NAMESPACES = ("reward/", "rollout/", "loss/", "train/", "moe/", "time/", "data/", "eval/", "profile/")
+"""The prefixes every logged metric name has (besides step and rollout_step)."""
+
+LEGACY_NAMES: dict[str, str] = {
     "reward_mean": "reward/mean",
     "reward_std": "reward/std",
     "reward_mean_trained": "reward/mean_trained",
@@ -32,7 +34,6 @@ METRIC_NAMES: dict[str, str] = {
     "reward_errors": "reward/errors",
     "response_truncated_fraction": "rollout/response_truncated_fraction",
     "data_epoch": "data/epoch",
-    # rollout/
     "rollout_groups_generated": "rollout/groups_generated",
     "dynamic_sampling_dropped_groups": "rollout/dynamic_sampling_dropped_groups",
     "dynamic_sampling_padded_groups": "rollout/dynamic_sampling_padded_groups",
@@ -44,7 +45,6 @@ METRIC_NAMES: dict[str, str] = {
     "rollout_staleness_max": "rollout/staleness_max",
     "rollout_partial_fraction": "rollout/partial_fraction",
     "rollout_stale_prefix_fraction": "rollout/stale_prefix_fraction",
-    # loss/: the mini-batch's objective and its importance ratios (loss/policy.py)
     "loss": "loss/value",
     "clipped_fraction_seq": "loss/clipped_fraction_seq",
     "clipped_fraction_token": "loss/clipped_fraction_token",
@@ -59,7 +59,6 @@ METRIC_NAMES: dict[str, str] = {
     "log_ratio_seq_std": "loss/log_ratio_seq_std",
     "sequences_empty": "loss/sequences_empty",
     "sequences_nonfinite": "loss/sequences_nonfinite",
-    # train/: one optimizer step (training/step.py)
     "sequences": "train/sequences",
     "response_tokens": "train/response_tokens",
     "entropy": "train/entropy",
@@ -72,10 +71,8 @@ METRIC_NAMES: dict[str, str] = {
     "microbatches": "train/microbatches",
     "padding_fraction": "train/padding_fraction",
     "train_tokens_per_s": "train/tokens_per_s",
-    # moe/: MoE routing vs pi_old's (training/step.py, model/routing.py); per layer: METRIC_PREFIXES
     "moe_routing_changed_fraction": "moe/routing_changed_fraction",
     "moe_routing_rollout_changed_fraction": "moe/routing_rollout_changed_fraction",
-    # time/: the rollout step's phases (the driver), and this optimizer step's own share
     "time_rollout_s": "time/rollout_s",
     "time_recompute_s": "time/recompute_s",
     "time_train_s": "time/train_s",
@@ -90,31 +87,14 @@ METRIC_NAMES: dict[str, str] = {
     "train_time_s": "time/minibatch_train_s",
     "recompute_time_s": "time/minibatch_recompute_s",
 }
-"""Computed (and pre-namespace) name -> logged name. Every logged metric is listed here or in METRIC_PREFIXES."""
+"""Names of runs logged before the namespaces -> today's (read_metrics renames those records); per-layer
+routing metrics were moe_routing_changed_fraction_layer_NN (LEGACY_PREFIXES)."""
 
-METRIC_PREFIXES: dict[str, str] = {
-    "moe_routing_changed_fraction_layer_": "moe/routing_changed_fraction/layer_",
-    "profile/": "profile/",  # logging.profile: profile/PART/rank0_s, profile/PART/others_max_s (profiling.py)
-}
-"""Families of metrics, one per model layer: computed prefix + NN -> logged prefix + NN."""
+LEGACY_PREFIXES = {"moe_routing_changed_fraction_layer_": "moe/routing_changed_fraction/layer_"}
+
 
 PLOTTED = (("reward/mean", "mean reward"), ("loss/clipped_fraction_seq", "clipped fraction (sequences)"),
            ("rollout/response_length_mean", "mean response length (tokens)"))
-
-
-def namespaced(metrics: dict) -> dict:
-    """`metrics` under their logged names; a name missing from METRIC_NAMES is an error, so that every
-    metric is documented."""
-    return {_logged_name(k): v for k, v in metrics.items()}
-
-
-def _logged_name(name: str) -> str:
-    if name in METRIC_NAMES:
-        return METRIC_NAMES[name]
-    for prefix, logged in METRIC_PREFIXES.items():
-        if name.startswith(prefix):
-            return logged + name[len(prefix):]
-    raise KeyError(f"metric without a logged name in METRIC_NAMES or METRIC_PREFIXES: {name!r}")
 
 
 def _clean(value):
@@ -162,6 +142,9 @@ class MetricsLogger:
                           mode="offline" if offline else "online", resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
+        unnamed = [k for k in metrics if k != "rollout_step" and not k.startswith(NAMESPACES)]
+        if unnamed:
+            raise KeyError(f"metric names outside the namespaces {', '.join(NAMESPACES)}: {unnamed}")
         record = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -197,8 +180,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            records.append({METRIC_NAMES.get(k, k): v for k, v in record.items()})
+            records.append({_current_name(k): v for k, v in record.items()})
     return records
+
+
+def _current_name(name: str) -> str:
+    if name in LEGACY_NAMES:
+        return LEGACY_NAMES[name]
+    for prefix, current in LEGACY_PREFIXES.items():
+        if name.startswith(prefix):
+            return current + name[len(prefix):]
+    return name
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

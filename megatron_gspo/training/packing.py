@@ -28,11 +28,11 @@ The split rule (all ranks compute it identically, no communication):
 3. Every DP rank must run the same number of micro-batches (Megatron's schedule runs one collective
    per micro-batch): M = the largest count any rank needs; a rank with fewer splits its fullest
    micro-batch in two until it has M. M <= R/D always, so no micro-batch is empty.
-4. `uniform=True` (pipeline parallelism: stages exchange activations of one fixed shape) makes every
+4. `rows="uniform"` (pipeline parallelism: stages exchange activations of one fixed shape) makes every
    micro-batch the same [R/D/M, S_max]: M is the smallest divisor of R/D whose rows fit the budget.
 The gradient does not depend on the split (forward_step.py's loss contract); only speed does.
 
-Packed rows (`pack_sequences=True`, config `parallel.pack_sequences`): a row holds several responses
+Packed rows (`rows="packed"`, config `parallel.pack_sequences`): a row holds several responses
 one after the other, each attending causally to itself only (microbatch.MicroBatch.segments_BS; the core
 attention runs sequence by sequence, parallel/cp_attention.py) and each at its own positions 0, 1, ...
 (positions_BS: its rotary angles are those of a row of its own; model/packed_rows.py). Rule 2 then fills rows first-fit-decreasing up to the mini-batch's longest padded
@@ -50,7 +50,7 @@ padded:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 
@@ -340,20 +340,24 @@ def _spans(firsts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + torch.repeat_interleave(firsts - (ends - lengths), lengths)
 
 
+Rows = Literal["padded", "uniform", "packed"]
+"""How responses fill micro-batch rows: padded (one per row, rules 1-3), uniform (one per row, every
+micro-batch the same shape: rule 4, pipeline parallelism) or packed (several per row: packed rows)."""
+
+
 def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int, max_tokens: int,
-                   pad_multiple: int = 2, uniform: bool = False, pack_sequences: bool = False,
-                   min_microbatches: int = 1) -> PackedMiniBatch:
+                   pad_multiple: int = 2, rows: Rows = "padded", min_microbatches: int = 1) -> PackedMiniBatch:
     """This DP rank's micro-batches of `responses` (the whole mini-batch, the same list on every rank).
 
     old_logprobs_BS holds the rollout log-probs (zeros where none were given: recompute them).
-    `pack_sequences`: several responses per row (module docstring); not with `uniform` (pipeline
-    parallelism), whose stages exchange activations of one fixed shape. `min_microbatches`: split
-    (rule 3) until there are at least that many (at most one per response); not with `uniform`.
+    `rows`: see Rows. `min_microbatches`: split (rule 3) until there are at least that many (at most one
+    per response); not with uniform rows.
     """
     if not responses:
         raise ValueError("an empty mini-batch")
-    if pack_sequences and uniform:
-        raise ValueError("packed rows (parallel.pack_sequences) are not supported with pipeline parallelism")
+    if rows not in ("padded", "uniform", "packed"):
+        raise ValueError(f"rows must be padded, uniform or packed, got {rows!r}")
+    uniform, pack_sequences = rows == "uniform", rows == "packed"
     _check(responses)
     real_lengths = [len(r.prompt_ids) + len(r.response_ids) for r in responses]
     lengths = [padded_length(n, pad_multiple) for n in real_lengths]
@@ -379,12 +383,12 @@ def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int
     have_routing = all(getattr(r, "routed_experts", None) is not None for r in responses)
     for mb in plans[dp_rank]:
         length = mb_length(mb)
-        rows = [[responses[i] for i in row] for row in mb]
+        mb_rows = [[responses[i] for i in row] for row in mb]
         # a micro-batch whose rows hold one response each is an unpacked one (plain causal attention)
-        shared = pack_sequences and any(len(row) > 1 for row in rows)
-        tokens, labels, mask, rollout, advantages, segments, positions_BS, places = _rows(rows, length, shared)
-        flat = [r for row in rows for r in row]
-        routing = routing_rows(flat, length, places, len(rows)) if have_routing else None
+        shared = pack_sequences and any(len(row) > 1 for row in mb_rows)
+        tokens, labels, mask, rollout, advantages, segments, positions_BS, places = _rows(mb_rows, length, shared)
+        flat = [r for row in mb_rows for r in row]
+        routing = routing_rows(flat, length, places, len(mb_rows)) if have_routing else None
         packed.micro_batches.append(MicroBatch(tokens, labels, mask, rollout.clone(), advantages, routing,
                                                segments_BS=segments, positions_BS=positions_BS))
         packed.places.append(places)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from megatron_gspo.config import TrainConfig
@@ -61,10 +62,18 @@ def preflight(config: TrainConfig) -> Prepared:
                          f"(model.preset={model.preset!r} gives a model shape only)")
     if not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
-    if config.gspo.routing_replay != "off":
-        if not shape_of(model.preset, model.hf_path).is_moe:
-            raise ValueError(f"gspo.routing_replay={config.gspo.routing_replay}: the model is dense "
-                             f"({model.preset or model.hf_path} has no MoE routers); use off")
+    gspo = config.gspo
+    if gspo.routing_replay != "off" or gspo.recompute == "fused":  # the settings that depend on MoE or not
+        name, moe = model.preset or model.hf_path, shape_of(model.preset, model.hf_path).is_moe
+        if gspo.routing_replay != "off" and not moe:
+            raise ValueError(f"gspo.routing_replay={gspo.routing_replay}: the model is dense ({name} has no MoE "
+                             "routers); use off")
+        if gspo.recompute == "fused" and moe:
+            raise ValueError(f"gspo.recompute=fused: {name} is an MoE model, whose routing is recorded per "
+                             "micro-batch while recomputing; use per_minibatch (or auto)")
+    if config.parallel.pack_sequences and torch.cuda.is_available():
+        raise ValueError("parallel.pack_sequences=true needs the local attention spec (CPU): on GPU the model "
+                         "uses Transformer Engine attention, whose packed format (THD) is not wired here")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
         raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "
                          f"{model.init_checkpoint!r} (metadata.json not found)")

@@ -1,4 +1,5 @@
-"""From a TrainConfig to what train_on_batch needs: the model chunks, Adam + schedule, step settings.
+"""From a TrainConfig to what train_on_batch needs: the model chunks, Adam + schedule, step settings and
+the way pi_old's log-probs are obtained.
 
 Call with the process groups `pgs = parallel.groups.init_megatron(config.parallel)`. Initial weights are the
 caller's choice (random from `config.seed`, `convert.load.load_weights(policy.model, ...)`, or
@@ -19,7 +20,7 @@ from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import manual_seed
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.optimizer import build_optimizer
-from megatron_gspo.training.step import StepSettings
+from megatron_gspo.training.old_logprobs import OldLogprobs, StepSettings, old_logprobs_source
 
 
 @dataclass
@@ -42,9 +43,6 @@ def model_shape(config: TrainConfig) -> Qwen3Shape:
 def build_policy(config: TrainConfig, pgs: ProcessGroupCollection) -> Policy:
     """The model (randomly initialised from config.seed) with its optimizer and lr schedule."""
     shape = model_shape(config)
-    if config.parallel.pack_sequences and torch.cuda.is_available():
-        raise ValueError("parallel.pack_sequences=true needs the local attention spec (CPU): on GPU the model "
-                         "uses Transformer Engine attention, whose packed format (THD) is not wired here")
     dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
     manual_seed(config.seed, pgs)
     model = build_model(shape, transformer_config(shape, config.parallel, params_dtype=dtype,
@@ -61,7 +59,11 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
     return StepSettings(
         loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
                           temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
-        num_minibatches=gspo.num_minibatches, old_logprobs=gspo.old_logprobs,
-        max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch, routing_replay=gspo.routing_replay,
-        pack_sequences=config.parallel.pack_sequences,
-        recompute=gspo.recompute)
+        num_minibatches=gspo.num_minibatches, max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch,
+        pack_sequences=config.parallel.pack_sequences)
+
+
+def old_logprobs(config: TrainConfig, policy: Policy) -> OldLogprobs:
+    """How pi_old's log-probs are obtained (gspo.old_logprobs, gspo.recompute, gspo.routing_replay)."""
+    g = config.gspo
+    return old_logprobs_source(g.old_logprobs, g.recompute, g.routing_replay, policy.routing)

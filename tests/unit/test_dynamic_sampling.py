@@ -58,7 +58,7 @@ def test_drop_and_refill(math_verify):
     assert batch.surplus_group_ids == [11] and batch.padded_group_ids == []
     assert batch.rounds == 2 and [st.response_tokens for st in batch.rollout_stats] == [6, 6]
     # tokens/s over both rounds: 12 "tokens" (one per prompt in the fake) in 2 x 0.5 s
-    assert batch.metrics()["rollout_tokens_per_s"] == 12.0
+    assert batch.metrics()["rollout/tokens_per_s"] == 12.0
 
 
 def test_rounds_are_capped(math_verify):
@@ -76,15 +76,15 @@ def test_metrics_are_over_every_generated_sample(math_verify):
                                               drop_zero_variance=True, oversample=2.0))
     m = batch.metrics()
     # 12 groups generated (0..11): 0, 3, 6, 9 all "1"; 1, 4, 7, 10 all "0"; 2, 5, 8, 11 half "1".
-    assert m["rollout_groups_generated"] == 12
-    assert m["reward_mean"] == (4 * G + 4 * G / 2) / (12 * G) == 0.5
-    assert m["reward_mean_trained"] == 0.5 and m["zero_signal_group_fraction_trained"] == 0.0
-    assert m["zero_signal_group_fraction"] == 8 / 12
-    assert m["dynamic_sampling_padded_groups"] == 0.0
+    assert m["rollout/groups_generated"] == 12
+    assert m["reward/mean"] == (4 * G + 4 * G / 2) / (12 * G) == 0.5
+    assert m["reward/mean_trained"] == 0.5 and m["reward/zero_signal_group_fraction_trained"] == 0.0
+    assert m["reward/zero_signal_group_fraction"] == 8 / 12
+    assert m["rollout/dynamic_sampling_padded_groups"] == 0.0
     # Without dynamic sampling the generated and the trained batch are the same.
     plain = asyncio.run(collect_scored_groups(fake_generate([]), prompt_stream(100), 4, math_verify)).metrics()
-    assert plain["reward_mean"] == plain["reward_mean_trained"] == (2 * G + G / 2) / (4 * G)  # groups 0 and 3 all "1", 2 half
-    assert plain["zero_signal_group_fraction"] == plain["zero_signal_group_fraction_trained"] == 3 / 4
+    assert plain["reward/mean"] == plain["reward/mean_trained"] == (2 * G + G / 2) / (4 * G)  # groups 0 and 3 all "1", 2 half
+    assert plain["reward/zero_signal_group_fraction"] == plain["reward/zero_signal_group_fraction_trained"] == 3 / 4
 
 
 def test_padding_after_max_rounds(math_verify):
@@ -98,8 +98,8 @@ def test_padding_after_max_rounds(math_verify):
     assert [g[0].group_id for g in batch.groups] == [21, 18] and batch.padded_group_ids == [21, 18]
     assert not any(has_signal(g) for g in batch.groups)
     m = batch.metrics()
-    assert m["reward_mean"] == 1.0 and m["zero_signal_group_fraction"] == 1.0
-    assert m["dynamic_sampling_padded_groups"] == 2.0 and m["rollout_groups_generated"] == 8
+    assert m["reward/mean"] == 1.0 and m["reward/zero_signal_group_fraction"] == 1.0
+    assert m["rollout/dynamic_sampling_padded_groups"] == 2.0 and m["rollout/groups_generated"] == 8
 
 
 def test_without_dynamic_sampling_everything_is_kept(math_verify):

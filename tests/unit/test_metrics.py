@@ -5,13 +5,13 @@ import math
 import pytest
 
 from megatron_gspo.rollout.batch_filling import response_length_metrics
-from megatron_gspo.training.metrics import METRIC_NAMES, MetricsLogger, namespaced, plot, read_metrics
+from megatron_gspo.training.metrics import LEGACY_NAMES, NAMESPACES, MetricsLogger, plot, read_metrics
 
 
 def test_one_json_object_per_step(tmp_path):
     with MetricsLogger(tmp_path) as log:
         for step in (1, 2, 3):
-            log.log(step, namespaced({"reward_mean": 0.1 * step, "clipped_fraction_seq": 0.0, "ratio_min": math.inf}))
+            log.log(step, {"reward/mean": 0.1 * step, "loss/clipped_fraction_seq": 0.0, "loss/ratio_min": math.inf})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3
     first = json.loads(lines[0])          # strict JSON: inf became null
@@ -31,14 +31,15 @@ def test_resume_drops_steps_after_the_checkpoint_and_appends(tmp_path):
 
 def test_a_new_run_starts_a_fresh_file(tmp_path):
     with MetricsLogger(tmp_path) as log:
-        log.log(1, {"a": 1})
+        log.log(1, {"train/a": 1})
     with MetricsLogger(tmp_path) as log:
-        log.log(1, {"a": 2})
-    assert read_metrics(tmp_path) == [{"step": 1, "a": 2}]
+        log.log(1, {"train/a": 2})
+    assert read_metrics(tmp_path) == [{"step": 1, "train/a": 2}]
 
 
 def test_response_length_metrics_by_hand():
-    assert response_length_metrics([4, 2, 6, 8]) == {"response_length_mean": 5.0, "response_length_max": 8.0}
+    assert response_length_metrics([4, 2, 6, 8]) == {"rollout/response_length_mean": 5.0,
+                                                     "rollout/response_length_max": 8.0}
 
 
 def test_missing_optional_backends_only_warn(tmp_path, monkeypatch):
@@ -53,7 +54,7 @@ def test_missing_optional_backends_only_warn(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_optional)
     with pytest.warns(UserWarning, match="tensorboard is not installed"):
         log = MetricsLogger(tmp_path, tensorboard=True)
-    log.log(1, {"reward_mean": 0.5})
+    log.log(1, {"reward/mean": 0.5})
     log.close()
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         assert plot(tmp_path) is None
@@ -70,17 +71,20 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_every_metric_has_one_namespaced_name():
-    logged = list(METRIC_NAMES.values())
-    assert len(set(logged)) == len(logged)                          # no two metrics share a logged name
-    assert all(name.split("/")[0] in {"reward", "rollout", "loss", "train", "time", "data", "moe"} for name in logged)
-    with pytest.raises(KeyError, match="without a logged name in METRIC_NAMES or METRIC_PREFIXES: 'made_up'"):
-        namespaced({"reward_mean": 1.0, "made_up": 2.0})
-    assert namespaced({"moe_routing_changed_fraction_layer_07": 0.1}) == {"moe/routing_changed_fraction/layer_07": 0.1}
+def test_a_metric_outside_the_namespaces_is_refused(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        with pytest.raises(KeyError, match="outside the namespaces .*'made_up'"):
+            log.log(1, {"reward/mean": 1.0, "made_up": 2.0})
+        log.log(1, {"rollout_step": 1, "moe/routing_changed_fraction/layer_07": 0.1})
+
+
+def test_legacy_names_map_to_distinct_namespaced_ones():
+    current = list(LEGACY_NAMES.values())
+    assert len(set(current)) == len(current) and all(name.startswith(NAMESPACES) for name in current)
 
 
 def test_records_of_runs_before_the_namespaces_read_under_todays_names(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rollout_step": 1, "reward_mean": 0.5, "time_train_s": 2.0, '
-                                            '"train_time_s": 0.25}\n')
+                                            '"train_time_s": 0.25, "moe_routing_changed_fraction_layer_03": 0.1}\n')
     assert read_metrics(tmp_path) == [{"step": 1, "rollout_step": 1, "reward/mean": 0.5, "time/train_s": 2.0,
-                                       "time/minibatch_train_s": 0.25}]
+                                       "time/minibatch_train_s": 0.25, "moe/routing_changed_fraction/layer_03": 0.1}]

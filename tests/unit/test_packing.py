@@ -75,7 +75,7 @@ def test_all_dp_ranks_get_the_same_number_of_microbatches():
 def test_uniform_microbatches_for_pipeline_parallel():
     lengths = [8, 16, 8, 8, 16, 8, 8, 8]
     packed = [pack_minibatch([Response([1] * (n - 1), [2], 1.0) for n in lengths], dp_size=2, dp_rank=r,
-                             max_tokens=32, pad_multiple=8, uniform=True) for r in range(2)]
+                             max_tokens=32, pad_multiple=8, rows="uniform") for r in range(2)]
     shapes = {tuple(mb.tokens_BS.shape) for p in packed for mb in p.micro_batches}
     assert shapes == {(2, 16)}                     # 4 rows per rank, 2 fit 32 tokens at length 16
     assert packed[0].num_microbatches == packed[1].num_microbatches == 2
@@ -135,14 +135,14 @@ def test_padding_fraction_counts_every_rank_s_micro_batches():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Packed rows (pack_sequences=True)
+# Packed rows (rows="packed")
 # ---------------------------------------------------------------------------------------------------
 
 def test_packed_row_alignment_by_hand():
     # The module docstring's example: a = [a0 | a1 a2], b = [b0 b1 | b2], padded to 8.
     a = Response([11], [12, 13], advantage=0.5, rollout_logprobs=[-0.1, -0.2])
     b = Response([21, 22], [23], advantage=-1.0, rollout_logprobs=[-0.3])
-    packed = pack_minibatch([a, b], dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=8, pack_sequences=True)
+    packed = pack_minibatch([a, b], dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=8, rows="packed")
     (mb,) = packed.micro_batches
     assert mb.tokens_BS.tolist() == [[11, 12, 13, 21, 22, 23, 0, 0]]
     assert mb.segments_BS.tolist() == [[0, 0, 0, 1, 1, 1, -1, -1]]
@@ -177,7 +177,7 @@ def test_packed_plan_invariants(dp_size, max_tokens, pad):
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in responses]
     capacity = max(padded_length(n, pad) for n in lengths)
     per_rank = [pack_minibatch(responses, dp_size=dp_size, dp_rank=k, max_tokens=max_tokens, pad_multiple=pad,
-                               pack_sequences=True) for k in range(dp_size)]
+                               rows="packed") for k in range(dp_size)]
     seen = sorted(i for p in per_rank for rows in p.rows for i in rows)
     assert seen == list(range(len(responses)))                                 # each response exactly once
     assert len({p.num_microbatches for p in per_rank}) == 1                    # equal counts over DP
@@ -205,15 +205,15 @@ def test_packed_plan_invariants(dp_size, max_tokens, pad):
 def test_packed_plan_splits_a_row_when_more_micro_batches_are_needed():
     # One 24-token response sets the row length; four 6-token ones share the second row.
     responses = [Response([1] * 12, [2] * 12, 1.0)] + [Response([1] * 3, [2] * 3, 1.0) for _ in range(4)]
-    packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, pack_sequences=True)
+    packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, rows="packed")
     assert packed.rows == [[0, 1, 2, 3, 4]] and packed.places == [[(0, 0), (1, 0), (1, 6), (1, 12), (1, 18)]]
     # three micro-batches: the two rows apart, then the row of four split in two
-    split = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, pack_sequences=True,
+    split = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, pad_multiple=2, rows="packed",
                            min_microbatches=3)
     assert split.rows == [[0], [1, 2], [3, 4]]
     assert [mb.tokens_BS.shape for mb in split.micro_batches] == [(1, 24), (1, 12), (1, 12)]
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, uniform=True, pack_sequences=True)
+    with pytest.raises(ValueError, match="rows must be padded, uniform or packed"):
+        pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=100, rows="uniform+packed")
 
 
 def test_a_stale_prefix_conditions_but_is_not_trained():
@@ -236,7 +236,7 @@ def test_a_stale_prefix_conditions_but_is_not_trained():
     # packed rows keep each response's prefix untrained as well
     other = Response([31], [41, 42], -0.5, [-0.5, -0.6])
     packed = pack_minibatch(responses_from_samples([cut], [0.5]) + [other], dp_size=1, dp_rank=0, max_tokens=64,
-                            pad_multiple=2, pack_sequences=True)
+                            pad_multiple=2, rows="packed")
     assert sum(mb.loss_mask_BS.sum().item() for mb in packed.micro_batches) == 2 + 2
     with pytest.raises(ValueError, match="stale_prefix 2 must leave at least one of the 2 response tokens"):
         pack_minibatch([Response([1], [2, 3], 1.0, stale_prefix=2)], dp_size=1, dp_rank=0, max_tokens=64)
@@ -287,7 +287,7 @@ def test_rows_match_a_position_by_position_reference(per_token, pack_sequences):
             rollout_logprobs=[-float(torch.rand((), generator=g)) for _ in range(R)],
             stale_prefix=min(rand(0, 4), max(R - 1, 0))))
     packed = pack_minibatch(responses, dp_size=1, dp_rank=0, max_tokens=96, pad_multiple=4,
-                            pack_sequences=pack_sequences)
+                            rows="packed" if pack_sequences else "padded")
     assert sorted(i for row in packed.rows for i in row) == list(range(len(responses)))
     for mb, order, places in zip(packed.micro_batches, packed.rows, packed.places):
         mine = [responses[i] for i in order]

@@ -505,16 +505,16 @@ def test_summarize_metrics_gspo_hand_example():
     _, n, raw = policy_loss(logp, old, adv, mask, cu, eps_low=0.1, eps_high=0.1)
     s = summarize_metrics(raw)
     assert n == 4
-    assert s["clipped_fraction_seq"] == pytest.approx(1 / 3)
-    assert s["clipped_fraction_token"] == pytest.approx(3 / 6)
-    assert s["ratio_mean"] == pytest.approx((1 + math.exp(0.5) + math.exp(-0.5)) / 3, rel=1e-6)
-    assert s["ratio_mean"] == pytest.approx(1.0850841, rel=1e-6)
-    assert s["ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-6)
-    assert s["ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
-    assert s["abs_log_ratio_per_token"] == pytest.approx(2.2 / 6, rel=1e-6)
-    assert s["abs_log_ratio_per_seq"] == pytest.approx(1 / 3, rel=1e-6)
-    assert s["sequences_empty"] == 1 and s["sequences_nonfinite"] == 0
-    assert s["response_tokens"] == 6
+    assert s["loss/clipped_fraction_seq"] == pytest.approx(1 / 3)
+    assert s["loss/clipped_fraction_token"] == pytest.approx(3 / 6)
+    assert s["loss/ratio_mean"] == pytest.approx((1 + math.exp(0.5) + math.exp(-0.5)) / 3, rel=1e-6)
+    assert s["loss/ratio_mean"] == pytest.approx(1.0850841, rel=1e-6)
+    assert s["loss/ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-6)
+    assert s["loss/ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert s["loss/abs_log_ratio_per_token"] == pytest.approx(2.2 / 6, rel=1e-6)
+    assert s["loss/abs_log_ratio_per_seq"] == pytest.approx(1 / 3, rel=1e-6)
+    assert s["loss/sequences_empty"] == 1 and s["loss/sequences_nonfinite"] == 0
+    assert s["train/response_tokens"] == 6
 
 
 def test_summarize_metrics_grpo_counts_clipped_tokens():
@@ -523,8 +523,8 @@ def test_summarize_metrics_grpo_counts_clipped_tokens():
     logp, old, adv, mask, cu = metrics_batch()
     _, _, raw = policy_loss(logp, old, adv, mask, cu, algorithm="grpo", eps_low=0.1, eps_high=0.1)
     s = summarize_metrics(raw)
-    assert s["clipped_fraction_token"] == pytest.approx(4 / 6)
-    assert s["clipped_fraction_seq"] == pytest.approx(2 / 3)
+    assert s["loss/clipped_fraction_token"] == pytest.approx(4 / 6)
+    assert s["loss/clipped_fraction_seq"] == pytest.approx(2 / 3)
 
 
 def test_reduce_metrics_over_micro_batches_equals_one_batch():

@@ -135,8 +135,8 @@ def test_a_batch_from_the_stream_position_with_its_metrics():
     assert [g[0].group_id for g in batch.scored.groups] == [5, 6, 7] and batch.next_position == 8
     assert batch.scored.rewards == [0.0, 1.0] * 3
     metrics = batch.metrics()
-    assert metrics["reward_mean"] == 0.5 and metrics["rollout_weight_version"] == "3"
-    assert metrics["rollout_tokens_per_s"] == 6.0 and metrics["response_length_mean"] == 1.0
+    assert metrics["reward/mean"] == 0.5 and metrics["rollout/weight_version"] == "3"
+    assert metrics["rollout/tokens_per_s"] == 6.0 and metrics["rollout/response_length_mean"] == 1.0
 
 
 def test_a_failure_raises_unless_a_stop_signal_came_first():
@@ -225,7 +225,7 @@ def test_one_step_off_generates_the_next_batch_while_the_current_one_trains():
         position = batch.next_position
     # batch 1 by the start weights; batch 2 was generated during step 1's training, before its weights
     assert versions == [{"0"}, {"0"}, {"1"}]
-    assert staleness_metrics(batch, 2) == {"rollout_staleness_mean": 1.0, "rollout_staleness_max": 1.0}
+    assert staleness_metrics(batch, 2) == {"rollout/staleness_mean": 1.0, "rollout/staleness_max": 1.0}
     at = {(e[0], e[1]): i for i, e in enumerate(backend.events)}
     assert at["start", 3] < at["trained", 0] and at["start", 6] < at["trained", 1], backend.events  # overlap
     assert at["trained", 0] < at["start", 6], backend.events  # held back until step 1's weights were pushed

@@ -91,5 +91,5 @@ def test_log_ratio_spreads_are_the_std_of_token_and_sequence_log_ratios():
     _, _, raw = policy_loss(old + log_w, old, torch.tensor([1.0, -1.0, 0.5]), mask, cu, algorithm="grpo")
     metrics = summarize_metrics(raw)
     log_s = torch.stack([log_w[int(cu[i]):int(cu[i + 1])].mean() for i in range(len(lengths))])
-    assert metrics["log_ratio_token_std"] == pytest.approx(log_w.double().std(unbiased=False).item(), rel=1e-5)
-    assert metrics["log_ratio_seq_std"] == pytest.approx(log_s.double().std(unbiased=False).item(), rel=1e-5)
+    assert metrics["loss/log_ratio_token_std"] == pytest.approx(log_w.double().std(unbiased=False).item(), rel=1e-5)
+    assert metrics["loss/log_ratio_seq_std"] == pytest.approx(log_s.double().std(unbiased=False).item(), rel=1e-5)

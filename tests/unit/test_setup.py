@@ -14,8 +14,7 @@ def test_step_settings_follow_the_config():
     settings = step_settings(config, PRESETS["tiny_dense"])
     assert (settings.loss.algorithm, settings.loss.eps_low, settings.loss.eps_high) == ("grpo", 0.2, 0.3)
     assert settings.loss.temperature == 0.7 and settings.loss.vocab_size == 500
-    assert settings.num_minibatches == 4 and settings.old_logprobs == "rollout"
-    assert settings.max_tokens_per_microbatch == 1024
+    assert settings.num_minibatches == 4 and settings.max_tokens_per_microbatch == 1024
 
 
 def test_shape_from_preset_or_hf_config(tmp_path):

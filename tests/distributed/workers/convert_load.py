@@ -64,7 +64,7 @@ def load_and_check(workdir: Path, kind: str, layout_name: str):
     tokens = ref["tokens"]
     B, S = tokens.shape
     batch = MicroBatch(tokens, torch.roll(tokens, -1, dims=1), torch.ones(B, S), torch.zeros(B, S), torch.zeros(B))
-    settings = LossSettings(vocab_size=shape.vocab_size)
+    settings = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=logprobs_forward_step(settings, pgs=pgs),

@@ -29,11 +29,11 @@ from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.rollout.megatron.generator import MegatronGenerator
 from megatron_gspo.training.forward_step import LossSettings
-from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
+from megatron_gspo.training.step import compute_logprobs, train_on_batch
 from megatron_gspo.samples import Prompt
 
 from checks import check, done
-from trainer_common import parallel_layout, synthetic_responses, tiny_model
+from trainer_common import RECOMPUTE, parallel_layout, steps, synthetic_responses, tiny_model
 
 
 def _anywhere(caller) -> bool:
@@ -116,8 +116,8 @@ def main() -> None:
     shape = PRESETS[preset]
     layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1)
-    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
-    settings = StepSettings(loss, num_minibatches=2, old_logprobs="recompute", max_tokens_per_microbatch=64)
+    loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
+    settings = steps(loss, num_minibatches=2, max_tokens_per_microbatch=64)
     responses = synthetic_responses(seed=3, n=16)
     generation = SamplingConfig(temperature=1.0, top_k=20, max_new_tokens=4)
 
@@ -128,8 +128,9 @@ def main() -> None:
                                       max_tokens_per_microbatch=64, pgs=pgs)
     generator = MegatronGenerator(model, generation, vocab_size=shape.vocab_size, seed=11,
                                   max_tokens_per_microbatch=64, pgs=pgs)
-    expected_records = train_on_batch(reference, ref_optimizer, responses, settings, pgs=pgs, scheduler=ref_scheduler)
-    expected_logprobs = compute_logprobs(reference, responses, loss, pgs=pgs)
+    expected_records = train_on_batch(reference, ref_optimizer, responses, settings, RECOMPUTE, pgs=pgs,
+                                      scheduler=ref_scheduler)
+    expected_logprobs = compute_logprobs(reference, responses, loss, pgs=pgs, max_tokens_per_microbatch=8192)
     expected_groups, _ = ref_generator.generate(prompts(shape.vocab_size), n=2, weight_version="1")
 
     forbidden = forbid_global_getters()
@@ -143,17 +144,17 @@ def main() -> None:
             raise AssertionError("parallel_state.get_tensor_model_parallel_group still works")
 
     with check("train step"):
-        records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, scheduler=scheduler)
+        records = train_on_batch(model, optimizer, responses, settings, RECOMPUTE, pgs=pgs, scheduler=scheduler)
         assert len(records) == 2, f"{len(records)} records"
-        assert records[0]["ratio_min"] == records[0]["ratio_max"] == 1.0, records[0]
+        assert records[0]["loss/ratio_min"] == records[0]["loss/ratio_max"] == 1.0, records[0]
         for got, want in zip(records, expected_records):
-            for key in ("loss", "grad_norm", "ratio_min", "ratio_max", "entropy", "clipped_fraction_seq"):
+            for key in ("loss/value", "train/grad_norm", "loss/ratio_min", "loss/ratio_max", "train/entropy", "loss/clipped_fraction_seq"):
                 assert got[key] == want[key], f"{key} {got[key]!r} vs {want[key]!r} with global groups"
-    say(f"train step: loss {records[0]['loss']:.6f} {records[1]['loss']:.6f}, "
-        f"grad norm {records[0]['grad_norm']:.6f}, as with the global groups")
+    say(f"train step: loss {records[0]['loss/value']:.6f} {records[1]['loss/value']:.6f}, "
+        f"grad norm {records[0]['train/grad_norm']:.6f}, as with the global groups")
 
     with check("compute_logprobs"):
-        logprobs = compute_logprobs(model, responses, loss, pgs=pgs)
+        logprobs = compute_logprobs(model, responses, loss, pgs=pgs, max_tokens_per_microbatch=8192)
         assert logprobs == expected_logprobs, "log-probs differ from the global-groups run"
 
     with check("generate"):

@@ -104,7 +104,7 @@ def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
     mb_rows = rows // num_mb
     pgs = model_process_groups(model)
-    settings = LossSettings(algorithm=algorithm, vocab_size=TINY_MOE.vocab_size)
+    settings = LossSettings(algorithm=algorithm, temperature=1.0, vocab_size=TINY_MOE.vocab_size)
     last_stage = ps.is_pipeline_last_stage()
 
     def micro_batches(old_logprobs):

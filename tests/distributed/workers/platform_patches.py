@@ -42,7 +42,7 @@ def train_step(wrap=lambda step: step) -> None:
     tokens = torch.randint(0, TINY_MOE.vocab_size, (2, 16), generator=g)
     batch = MicroBatch(tokens, tokens.roll(-1, 1), torch.ones(2, 16), torch.full((2, 16), -6.0),
                        torch.tensor([1.0, -1.0]))
-    step = policy_forward_step(LossSettings(vocab_size=TINY_MOE.vocab_size), pgs=model_process_groups(model),
+    step = policy_forward_step(LossSettings(algorithm="gspo", temperature=1.0, vocab_size=TINY_MOE.vocab_size), pgs=model_process_groups(model),
                                num_global_sequences=4, num_microbatches=1)
     step = wrap(step)
     get_forward_backward_func()(forward_step_func=step, data_iterator=iter([batch]), model=model,

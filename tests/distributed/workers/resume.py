@@ -31,7 +31,8 @@ from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.checkpoint import (BackgroundSaves, TrainerState, complete_iterations, find_latest,
                                                iteration_dir, load_checkpoint, save_checkpoint)
 from megatron_gspo.training.forward_step import LossSettings
-from megatron_gspo.training.step import StepSettings, train_on_batch
+from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_source
+from megatron_gspo.training.step import train_on_batch
 
 from checks import check, done
 from trainer_common import SHAPE, parallel_layout, params, synthetic_responses, tiny_model
@@ -67,12 +68,12 @@ def setup(layout, pgs, seed):
 
 
 def train(model, optimizer, scheduler, data, steps, settings):
-    routing = MoERouting.attach(model)
+    source = old_logprobs_source("recompute", "auto", "old" if MOE_REPLAY else "off", MoERouting.attach(model))
     for _ in range(steps):
-        records = train_on_batch(model, optimizer, data.next_batch(), settings, pgs=model_process_groups(model),
-                                 scheduler=scheduler, routing=routing)
+        records = train_on_batch(model, optimizer, data.next_batch(), settings, source, pgs=model_process_groups(model),
+                                 scheduler=scheduler)
         if MOE_REPLAY:
-            assert all("moe_routing_changed_fraction" in r for r in records), records
+            assert all("moe/routing_changed_fraction" in r for r in records), records
 
 
 def main():
@@ -80,8 +81,8 @@ def main():
     layout = parallel_layout(tp=tp, ep=2 if MOE_REPLAY else 1)
     pgs = init_megatron(layout, seed=1)
     settings = StepSettings(LossSettings(algorithm="grpo" if MOE_REPLAY else "gspo", eps_low=0.05, eps_high=0.05,
-                                         vocab_size=SHAPE.vocab_size), num_minibatches=K,
-                            max_tokens_per_microbatch=64, routing_replay="old" if MOE_REPLAY else "off")
+                                         temperature=1.0, vocab_size=SHAPE.vocab_size), num_minibatches=K,
+                            max_tokens_per_microbatch=64, pack_sequences=False)
     if phase == "run":
         run_and_crash(workdir, layout, pgs, settings)  # reports its checks and ends the process (os._exit)
     else:

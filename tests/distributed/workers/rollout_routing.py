@@ -33,7 +33,8 @@ from megatron_gspo.rollout.megatron.generator import MegatronGenerator
 from megatron_gspo.samples import Prompt
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import responses_from_samples
-from megatron_gspo.training.step import StepSettings, _pack, split_minibatches, train_on_batch
+from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_source, pack
+from megatron_gspo.training.step import split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
 from routing_replay import RouterLog, tiny_moe
@@ -84,24 +85,24 @@ def main() -> None:
     rewards[0], rewards[1] = 0.0, 1.0
     responses = responses_from_samples(samples, group_advantages(rewards, G).advantages_R)
     log = RouterLog(routing)
-    settings = StepSettings(loss=LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size),
-                            num_minibatches=K, routing_replay="rollout", max_tokens_per_microbatch=64,
-                            pack_sequences=pack_sequences)
+    settings = StepSettings(loss=LossSettings(algorithm="grpo", temperature=1.0, vocab_size=TINY_MOE.vocab_size),
+                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=pack_sequences)
     if pack_sequences:
         with check("responses are packed several to a row"):
-            plans = [_pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]
+            plans = [pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]
             assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
-    records = train_on_batch(model, optimizer, responses, settings, pgs=pgs, routing=routing)
+    records = train_on_batch(model, optimizer, responses, settings,
+                             old_logprobs_source("recompute", "auto", "rollout", routing), pgs=pgs)
     with check("unchanged weights: the trainer routes like the sampler and its log-probs match"):
         for r in records:
-            assert r["moe_routing_rollout_changed_fraction"] == 0.0, r
-            assert r["train_rollout_abs_delta_token"] < 1e-5, r
-        assert records[0]["ratio_min"] == records[0]["ratio_max"] == 1.0, records[0]
+            assert r["moe/routing_rollout_changed_fraction"] == 0.0, r
+            assert r["train/rollout_abs_delta_token"] < 1e-5, r
+        assert records[0]["loss/ratio_min"] == records[0]["loss/ratio_max"] == 1.0, records[0]
     with check("after the update the weights would route differently"):
-        assert records[0]["moe_routing_changed_fraction"] == 0.0, records[0]
-        assert records[1]["moe_routing_changed_fraction"] > 0.0, records[1]
+        assert records[0]["moe/routing_changed_fraction"] == 0.0, records[0]
+        assert records[1]["moe/routing_changed_fraction"] > 0.0, records[1]
     with check("every recompute and training forward replayed the sample's routing"):
-        microbatches = int(sum(r["microbatches"] for r in records))
+        microbatches = int(sum(r["train/microbatches"] for r in records))
         for layer, calls in log.calls.items():
             assert len(calls) == 2 * microbatches, (layer, len(calls))
             assert all(action == RouterReplayAction.REPLAY_FORWARD.value for action, _ in calls), layer

@@ -32,7 +32,8 @@ from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.training.packing import Response
-from megatron_gspo.training.step import StepSettings, _pack, split_minibatches, train_on_batch
+from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_source, pack
+from megatron_gspo.training.step import split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
 from trainer_common import parallel_layout
@@ -105,21 +106,22 @@ def main() -> None:
     routing = MoERouting.attach(model)
     log = RouterLog(routing)
     batch = responses()
-    loss = LossSettings(algorithm="grpo", vocab_size=TINY_MOE.vocab_size)
+    loss = LossSettings(algorithm="grpo", temperature=1.0, vocab_size=TINY_MOE.vocab_size)
 
     if pack_sequences:
         with check("responses are packed several to a row"):
-            plans = [_pack(mini, pgs, max_tokens, True) for mini in split_minibatches(batch, K)]
+            plans = [pack(mini, pgs, max_tokens, True) for mini in split_minibatches(batch, K)]
             assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
     results = {}
     for i, mode in enumerate(("old", "off")):
         if i:  # the next mode starts from the same initial weights
             reference_weights(module, workdir)
         log.clear()
-        settings = StepSettings(loss=loss, num_minibatches=K, routing_replay=mode, max_tokens_per_microbatch=max_tokens,
+        settings = StepSettings(loss=loss, num_minibatches=K, max_tokens_per_microbatch=max_tokens,
                                 pack_sequences=pack_sequences)
-        records = train_on_batch(model, optimizer, batch, settings, pgs=pgs, routing=routing)
-        check_router_log(log, mode, int(sum(r["microbatches"] for r in records)), int(records[0]["microbatches"]))
+        records = train_on_batch(model, optimizer, batch, settings, old_logprobs_source("recompute", "auto", mode, routing),
+                                 pgs=pgs)
+        check_router_log(log, mode, int(sum(r["train/microbatches"] for r in records)), int(records[0]["train/microbatches"]))
         check_records(records, mode)
         results[mode] = {"records": records}
         after = workdir / f"after_{mode}"
@@ -131,8 +133,8 @@ def main() -> None:
     with check("the routing change a step causes is measured the same with and without replay"):
         # Mini-batch 1 has no update before it and identical routing: both runs reach the same weights.
         old, off = results["old"]["records"][1], results["off"]["records"][1]
-        assert old["moe_routing_changed_fraction"] == off["moe_routing_changed_fraction"], (old, off)
-        assert old["loss"] != off["loss"], "replay changed nothing in mini-batch 2's loss"
+        assert old["moe/routing_changed_fraction"] == off["moe/routing_changed_fraction"], (old, off)
+        assert old["loss/value"] != off["loss/value"], "replay changed nothing in mini-batch 2's loss"
 
     if name == "reference":
         if dist.get_rank() == 0:
@@ -171,14 +173,14 @@ def check_router_log(log: RouterLog, mode: str, microbatches: int, first: int) -
 def check_records(records: list[dict], mode: str) -> None:
     first, second = records
     with check(f"{mode}: mini-batch 1's ratios are exactly 1, nothing clipped"):
-        assert first["ratio_min"] == first["ratio_max"] == 1.0, first
-        assert first["clipped_fraction_token"] == 0.0 and first["log_ratio_token_std"] == 0.0, first
+        assert first["loss/ratio_min"] == first["loss/ratio_max"] == 1.0, first
+        assert first["loss/clipped_fraction_token"] == 0.0 and first["loss/log_ratio_token_std"] == 0.0, first
     with check(f"{mode}: routing changed fraction 0 on mini-batch 1, > 0 after the update, per layer"):
-        assert first["moe_routing_changed_fraction"] == 0.0, first
-        assert second["moe_routing_changed_fraction"] > 0.0, second
-        layers = [second[f"moe_routing_changed_fraction_layer_{i:02d}"] for i in range(TINY_MOE.num_layers)]
-        assert abs(sum(layers) / len(layers) - second["moe_routing_changed_fraction"]) < 1e-12, layers
-        assert second["log_ratio_token_std"] > 0 and second["log_ratio_seq_std"] > 0, second
+        assert first["moe/routing_changed_fraction"] == 0.0, first
+        assert second["moe/routing_changed_fraction"] > 0.0, second
+        layers = [second[f"moe/routing_changed_fraction/layer_{i:02d}"] for i in range(TINY_MOE.num_layers)]
+        assert abs(sum(layers) / len(layers) - second["moe/routing_changed_fraction"]) < 1e-12, layers
+        assert second["loss/log_ratio_token_std"] > 0 and second["loss/log_ratio_seq_std"] > 0, second
 
 
 def compare_update(module, workdir: Path, mode: str) -> None:
@@ -205,10 +207,10 @@ def compare_with_reference(workdir: Path, results: dict) -> None:
         with check(f"{mode}: loss, grad norm and routing change equal the TP1 reference"):
             for k, (mine, ref) in enumerate(zip(results[mode]["records"], reference[mode]["records"])):
                 rtol = 1e-5
-                assert abs(mine["grad_norm"] - ref["grad_norm"]) <= rtol * ref["grad_norm"], (mode, k, mine, ref)
-                assert abs(mine["loss"] - ref["loss"]) <= 1e-7, (mode, k, mine, ref)
-                pairs = ref["response_tokens"] * TINY_MOE.num_layers
-                changed = abs(mine["moe_routing_changed_fraction"] - ref["moe_routing_changed_fraction"])
+                assert abs(mine["train/grad_norm"] - ref["train/grad_norm"]) <= rtol * ref["train/grad_norm"], (mode, k, mine, ref)
+                assert abs(mine["loss/value"] - ref["loss/value"]) <= 1e-7, (mode, k, mine, ref)
+                pairs = ref["train/response_tokens"] * TINY_MOE.num_layers
+                changed = abs(mine["moe/routing_changed_fraction"] - ref["moe/routing_changed_fraction"])
                 assert changed * pairs <= 2 + 1e-9, (mode, k, changed * pairs)
 
 

@@ -18,13 +18,14 @@ from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.parallel.groups import sequence_pad_multiple
+from megatron_gspo.training.old_logprobs import old_logprobs_source
 from megatron_gspo.training.packing import Response, pack_minibatch
-from megatron_gspo.training.step import StepSettings, compute_logprobs, train_on_batch
+from megatron_gspo.training.step import compute_logprobs, train_on_batch
 
 from megatron_gspo.model.presets import PRESETS
 
 from checks import check, done
-from trainer_common import parallel_layout, synthetic_responses, tiny_model
+from trainer_common import FROM_ROLLOUT, RECOMPUTE, parallel_layout, steps, synthetic_responses, tiny_model
 
 N = 16
 
@@ -41,7 +42,7 @@ def main():
     cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     layout = parallel_layout(tp=tp, pp=pp, ep=ep, cp=cp)
     pgs = init_megatron(layout, seed=1)
-    loss = LossSettings(algorithm="gspo", vocab_size=shape.vocab_size)
+    loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     responses = synthetic_responses(seed=3, n=N)
 
     model, optimizer, scheduler = microbatch_invariance(layout, pgs, preset, shape, loss, responses)
@@ -63,10 +64,10 @@ def microbatch_invariance(layout, pgs, preset, shape, loss, responses):
         groups = [g for opt in getattr(optimizer, "chained_optimizers", [optimizer])
                   for g in opt.optimizer.param_groups]
         assert groups and all(g["fused"] for g in groups), "CPU Adam should run torch's fused kernel"
-        (rec,) = train_on_batch(model, optimizer, responses, StepSettings(loss, num_minibatches=1,
-                                max_tokens_per_microbatch=budget), pgs=pgs, scheduler=scheduler)
-        norms.append(rec["grad_norm"]); losses.append(rec["loss"])
-        say(f"budget {budget}: {rec['microbatches']:.0f} micro-batches, grad norm {rec['grad_norm']:.9f}")
+        (rec,) = train_on_batch(model, optimizer, responses, steps(loss, max_tokens_per_microbatch=budget), RECOMPUTE,
+                                pgs=pgs, scheduler=scheduler)
+        norms.append(rec["train/grad_norm"]); losses.append(rec["loss/value"])
+        say(f"budget {budget}: {rec['train/microbatches']:.0f} micro-batches, grad norm {rec['train/grad_norm']:.9f}")
     # MoE: the load-balancing aux loss is computed per micro-batch, so it (alone) depends on the split.
     assert abs(norms[0] - norms[1]) <= (1e-4 if shape.is_moe else 1e-5) * norms[0], norms
     assert abs(losses[0] - losses[1]) <= 1e-7, losses
@@ -77,43 +78,42 @@ def microbatch_invariance(layout, pgs, preset, shape, loss, responses):
 def on_policy_first_minibatch(model, optimizer, scheduler, loss, responses):
     """Recompute: mini-batch 1 is on-policy, so s_i == 1 exactly and nothing is clipped;
     mini-batch 2 was recomputed before step 1 moved the weights, so its ratios are not 1."""
-    records = train_on_batch(model, optimizer, responses,
-                             StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64),
+    records = train_on_batch(model, optimizer, responses, steps(loss, 2, 64), RECOMPUTE,
                              pgs=model_process_groups(model), scheduler=scheduler)
     first, second = records
-    assert first["ratio_min"] == first["ratio_max"] == 1.0, first
-    assert first["clipped_fraction_seq"] == 0.0 and first["clipped_fraction_token"] == 0.0, first
-    assert first["abs_log_ratio_per_token"] == 0.0, first
-    assert second["ratio_min"] != 1.0 or second["ratio_max"] != 1.0, second
-    assert math.isfinite(first["grad_norm"]) and first["grad_norm"] > 0
-    assert first["sequences"] == N / 2 and first["sequences_empty"] in (0.0, 1.0)
-    assert first["lr"] == 1e-3
-    say(f"on-policy first mini-batch: ratio [{first['ratio_min']}, {first['ratio_max']}], "
-        f"clipped 0; second: ratio [{second['ratio_min']:.6f}, {second['ratio_max']:.6f}]")
+    assert first["loss/ratio_min"] == first["loss/ratio_max"] == 1.0, first
+    assert first["loss/clipped_fraction_seq"] == 0.0 and first["loss/clipped_fraction_token"] == 0.0, first
+    assert first["loss/abs_log_ratio_per_token"] == 0.0, first
+    assert second["loss/ratio_min"] != 1.0 or second["loss/ratio_max"] != 1.0, second
+    assert math.isfinite(first["train/grad_norm"]) and first["train/grad_norm"] > 0
+    assert first["train/sequences"] == N / 2 and first["loss/sequences_empty"] in (0.0, 1.0)
+    assert first["train/lr"] == 1e-3
+    say(f"on-policy first mini-batch: ratio [{first['loss/ratio_min']}, {first['loss/ratio_max']}], "
+        f"clipped 0; second: ratio [{second['loss/ratio_min']:.6f}, {second['loss/ratio_max']:.6f}]")
 
 
 @check("train-rollout gap")
 def train_rollout_gap(model, optimizer, loss, responses):
     """The train-vs-rollout gap: rollout log-probs = current ones shifted by +-1e-3 per sequence."""
-    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model))
+    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model), max_tokens_per_microbatch=8192)
     shifted = [dataclasses.replace(r, rollout_logprobs=[lp + (1e-3 if i % 2 else -1e-3) for lp in lps])
                for i, (r, lps) in enumerate(zip(responses, current))]
-    rec = train_on_batch(model, optimizer, shifted, StepSettings(loss, num_minibatches=1), pgs=model_process_groups(model))[0]
-    assert abs(rec["train_rollout_abs_delta_token"] - 1e-3) < 1e-5, rec
-    assert abs(rec["train_rollout_abs_delta_seq"] - 1e-3) < 1e-5, rec
-    assert rec["ratio_min"] == rec["ratio_max"] == 1.0   # recomputed old log-probs, not the rollout's
-    say(f"train-rollout gap {rec['train_rollout_abs_delta_token']:.7f} per token, "
-        f"{rec['train_rollout_abs_delta_seq']:.7f} per sequence (1e-3 injected)")
+    rec = train_on_batch(model, optimizer, shifted, steps(loss), RECOMPUTE, pgs=model_process_groups(model))[0]
+    assert abs(rec["train/rollout_abs_delta_token"] - 1e-3) < 1e-5, rec
+    assert abs(rec["train/rollout_abs_delta_seq"] - 1e-3) < 1e-5, rec
+    assert rec["loss/ratio_min"] == rec["loss/ratio_max"] == 1.0   # recomputed old log-probs, not the rollout's
+    say(f"train-rollout gap {rec['train/rollout_abs_delta_token']:.7f} per token, "
+        f"{rec['train/rollout_abs_delta_seq']:.7f} per sequence (1e-3 injected)")
 
 
 @check("loss decreases")
 def loss_decreases(model, optimizer, loss, responses):
     """Learning: with fixed old log-probs (rollout mode, wide clip) each step lowers the loss -J."""
-    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model))
+    current = compute_logprobs(model, responses, loss, pgs=model_process_groups(model), max_tokens_per_microbatch=8192)
     fixed = [dataclasses.replace(r, rollout_logprobs=lps) for r, lps in zip(responses, current)]
-    wide = StepSettings(dataclasses.replace(loss, eps_low=0.2, eps_high=0.2), num_minibatches=1,
-                        old_logprobs="rollout")
-    history = [train_on_batch(model, optimizer, fixed, wide, pgs=model_process_groups(model))[0]["loss"] for _ in range(5)]
+    wide = steps(dataclasses.replace(loss, eps_low=0.2, eps_high=0.2))
+    history = [train_on_batch(model, optimizer, fixed, wide, FROM_ROLLOUT, pgs=model_process_groups(model))[0]["loss/value"]
+               for _ in range(5)]
     say("loss over steps: " + ", ".join(f"{v:.6f}" for v in history))
     # Step 1 starts on-policy: s == 1, so -J = -(1/N) sum of A over non-empty responses (an empty
     # response counts in N but adds nothing; group advantages sum to 0, so this is A_empty / N).
@@ -133,8 +133,9 @@ def entropy(model, optimizer, loss, fixed, wide, shape, layout):
     same weights (lr 0 keeps them), and it lies in (0, log V]."""
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    from_recompute = train_on_batch(model, optimizer, fixed, StepSettings(loss, num_minibatches=1), pgs=model_process_groups(model))[0]["entropy"]
-    from_training = train_on_batch(model, optimizer, fixed, wide, pgs=model_process_groups(model))[0]["entropy"]
+    pgs = model_process_groups(model)
+    from_recompute = train_on_batch(model, optimizer, fixed, steps(loss), RECOMPUTE, pgs=pgs)[0]["train/entropy"]
+    from_training = train_on_batch(model, optimizer, fixed, wide, FROM_ROLLOUT, pgs=pgs)[0]["train/entropy"]
     assert abs(from_recompute - from_training) <= 1e-6 * from_recompute, (from_recompute, from_training)
     assert 0.0 < from_recompute <= math.log(shape.vocab_size), from_recompute
     # Every rank holds the whole model: a float64 reference from the logits.
@@ -163,22 +164,23 @@ def fused_recompute(layout, pgs, preset, loss, responses):
     runs = {}
     for mode in ("fused", "per_minibatch"):
         model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
-        settings = StepSettings(loss, num_minibatches=4, max_tokens_per_microbatch=48, recompute=mode)
-        runs[mode] = train_on_batch(model, optimizer, with_rollout, settings, pgs=pgs, scheduler=scheduler)
+        source = old_logprobs_source("recompute", mode, "off", routing=None)
+        runs[mode] = train_on_batch(model, optimizer, with_rollout, steps(loss, 4, 48), source, pgs=pgs,
+                                    scheduler=scheduler)
     for k, (a, b) in enumerate(zip(runs["fused"], runs["per_minibatch"])):
         assert a.keys() == b.keys(), (k, sorted(set(a) ^ set(b)))
         for key in a:
-            if key.endswith("_time_s") or key.endswith("_per_s"):
+            if key.startswith("time/") or key.endswith("_per_s"):
                 continue
             # Log-ratios are differences of float32 log-probs of size ~log V (~7.6 here), each rounded to
             # ~5e-7 and summed in another order by the other packing: 1e-6 absolute is that noise (one run
             # under load measured 1.2e-7 on abs_log_ratio_per_seq = 0.0104, over rel 1e-5).
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (k, key, a[key], b[key])
     first = runs["fused"][0]
-    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["clipped_fraction_seq"] == 0.0, first
-    assert runs["fused"][1]["ratio_min"] != 1.0 or runs["fused"][1]["ratio_max"] != 1.0
+    assert first["loss/ratio_min"] == first["loss/ratio_max"] == 1.0 and first["loss/clipped_fraction_seq"] == 0.0, first
+    assert runs["fused"][1]["loss/ratio_min"] != 1.0 or runs["fused"][1]["loss/ratio_max"] != 1.0
     say(f"fused recompute: {len(runs['fused'])} mini-batches agree with per-mini-batch recompute; "
-        f"gap {first['train_rollout_abs_delta_token']:.6f}, entropy {first['entropy']:.6f}")
+        f"gap {first['train/rollout_abs_delta_token']:.6f}, entropy {first['train/entropy']:.6f}")
 
 
 @check("packed rows")
@@ -186,28 +188,24 @@ def packed_rows(layout, pgs, preset, loss, responses):
     """parallel.pack_sequences: several responses per row, each attending only to itself at its own
     rotary positions, trains like one response per row: the same records (fused recompute, rollout
     gap, entropy, 2 optimizer steps) to float noise, the same recomputed log-probs, with less padding.
-    Pipeline parallelism refuses it."""
+    (Pipeline parallelism refuses it at config load: tests/unit/test_config.py.)"""
     g = torch.Generator().manual_seed(13)
     with_rollout = [dataclasses.replace(r, rollout_logprobs=(-torch.rand(len(r.response_ids), generator=g)).tolist())
                     for r in responses]
     if layout.pp > 1:
-        try:
-            pack_minibatch(with_rollout, dp_size=1, dp_rank=0, max_tokens=64, uniform=True, pack_sequences=True)
-        except ValueError as e:
-            say(f"packed rows under PP: refused ({e})")
-            return
-        raise AssertionError("packed rows under pipeline parallelism should be refused")
+        say("packed rows: not with pipeline parallelism")
+        return
     multiple = sequence_pad_multiple(pgs)
     plan = pack_minibatch(with_rollout, dp_size=pgs.dp.size(), dp_rank=pgs.dp.rank(), max_tokens=64,
-                          pad_multiple=multiple, pack_sequences=True)
+                          pad_multiple=multiple, rows="packed")
     assert any(mb.num_sequences > mb.tokens_BS.shape[0] for mb in plan.micro_batches), "nothing was packed"
     runs, logprobs = {}, {}
     for packed in (False, True):
         model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
         logprobs[packed] = compute_logprobs(model, with_rollout, loss, pgs=pgs, max_tokens_per_microbatch=64,
                                             pack_sequences=packed)
-        settings = StepSettings(loss, num_minibatches=2, max_tokens_per_microbatch=64, pack_sequences=packed)
-        runs[packed] = train_on_batch(model, optimizer, with_rollout, settings, pgs=pgs, scheduler=scheduler)
+        runs[packed] = train_on_batch(model, optimizer, with_rollout, steps(loss, 2, 64, pack_sequences=packed), RECOMPUTE,
+                                      pgs=pgs, scheduler=scheduler)
     for a, b in zip(logprobs[False], logprobs[True]):
         assert len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5) for x, y in zip(a, b)), (a, b)
     # MoE: the load-balancing aux loss is computed per micro-batch, so (alone) it depends on the split:
@@ -216,17 +214,17 @@ def packed_rows(layout, pgs, preset, loss, responses):
     for k, (a, b) in enumerate(zip(runs[False], runs[True])):
         assert a.keys() == b.keys(), (k, sorted(set(a) ^ set(b)))
         for key in a:
-            if key.endswith("_time_s") or key.endswith("_per_s") or key in ("microbatches", "padding_fraction") \
+            if key.startswith("time/") or key.endswith("_per_s") or key in ("train/microbatches", "train/padding_fraction") \
                     or (moe and k > 0):
                 continue
-            rel = 1e-4 if moe and key == "grad_norm" else 1e-5
+            rel = 1e-4 if moe and key == "train/grad_norm" else 1e-5
             assert math.isclose(a[key], b[key], rel_tol=rel, abs_tol=1e-6), (k, key, a[key], b[key])
-    unpacked = sum(r["padding_fraction"] for r in runs[False]) / len(runs[False])
-    packed = sum(r["padding_fraction"] for r in runs[True]) / len(runs[True])
+    unpacked = sum(r["train/padding_fraction"] for r in runs[False]) / len(runs[False])
+    packed = sum(r["train/padding_fraction"] for r in runs[True]) / len(runs[True])
     assert packed < unpacked, (packed, unpacked)
     say(f"packed rows: {len(runs[True])} mini-batches agree with one response per row; padding "
-        f"{unpacked:.3f} -> {packed:.3f}, micro-batches {sum(r['microbatches'] for r in runs[False]):.0f} -> "
-        f"{sum(r['microbatches'] for r in runs[True]):.0f}")
+        f"{unpacked:.3f} -> {packed:.3f}, micro-batches {sum(r['train/microbatches'] for r in runs[False]):.0f} -> "
+        f"{sum(r['train/microbatches'] for r in runs[True]):.0f}")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,23 @@ from megatron_gspo.config import (GSPOConfig, ModelConfig, OptimizerConfig, Para
                                   TrainConfig)
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.presets import TINY_DENSE
+from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_source
 from megatron_gspo.training.packing import Response
 from megatron_gspo.training.setup import build_policy
 
 SHAPE = TINY_DENSE
+
+RECOMPUTE = old_logprobs_source("recompute", "auto", "off", routing=None)
+"""pi_old recomputed (fused) for a model whose routing is not tracked."""
+FROM_ROLLOUT = old_logprobs_source("rollout", "auto", "off", routing=None)
+"""pi_old = the responses' rollout log-probs."""
+
+
+def steps(loss, num_minibatches: int = 1, max_tokens_per_microbatch: int = 8192,
+          pack_sequences: bool = False) -> StepSettings:
+    """StepSettings with the sizes these tests use unless they say otherwise."""
+    return StepSettings(loss, num_minibatches=num_minibatches, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                        pack_sequences=pack_sequences)
 
 
 def parallel_layout(**sizes: int) -> ParallelConfig:
