@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import SamplingConfig  # noqa: E402
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3  # noqa: E402
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, sglang_sampling_params  # noqa: E402
+from megatron_gspo.rollout.sglang.client import RolloutClient, sglang_sampling_params  # noqa: E402
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers  # noqa: E402
 from megatron_gspo.samples import Prompt  # noqa: E402
 
@@ -68,12 +70,13 @@ def main(argv=None):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
     payloads = [{"input_ids": pr.prompt_ids, "sampling_params": _ignoring_eos(sampling, args.n), "return_logprob": True,
                  "logprob_start_len": -1} for pr in prompts]
-    config = ServerConfig(model_path=str(model_dir), dtype="float32", log_dir=str(work / "logs"))
+    config = ServerConfig(model_path=str(model_dir), settings=RolloutConfig(), device="cpu",
+                          dtype="float32", log_dir=str(work / "logs"))
     with launch_servers(config, 1) as servers:
         url = servers[0].url
         print(f"server ready in {servers[0].ready_after_s:.1f} s; {args.prompts} prompts x n={args.n} x "
               f"{args.max_new_tokens} tokens, concurrency {args.concurrency}")
-        client = RolloutClient([url], ClientConfig(concurrency_per_server=args.concurrency))
+        client = RolloutClient([url], RolloutConfig(concurrency=args.concurrency))
         asyncio.run(client.generate(prompts[: max(1, args.prompts // 4)], args.n, sampling))  # warm-up
         raw, ours = [], []
         for _ in range(args.rounds):

@@ -16,11 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_gspo.config import SamplingConfig
+from megatron_gspo.config import RolloutConfig, SamplingConfig
 from megatron_gspo.rewards.cli import add_score_parser
 
 
-_SAMPLING = SamplingConfig()
+_SAMPLING, _ROLLOUT = SamplingConfig(), RolloutConfig()
+"""The config's defaults: the `rollout` command's defaults are these, not numbers of its own."""
 
 
 def _rollout_parser(sub) -> None:
@@ -43,24 +44,26 @@ def _rollout_parser(sub) -> None:
     s.add_argument("--max-new-tokens", type=int, default=_SAMPLING.max_new_tokens)
     s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
     s.add_argument("--stop", action="append", default=[], help="a string that ends a response (repeatable)")
-    c = p.add_argument_group("client")
+    c = p.add_argument_group("client (megatron_gspo.config.RolloutConfig, whose defaults these are)")
     c.add_argument("--api-key", help="API key of the servers (sent as a Bearer token)")
-    c.add_argument("--concurrency", type=int, default=8, help="requests in flight per server")
-    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds per /generate request")
-    c.add_argument("--max-attempts", type=int, default=4, help="tries per group over all servers")
+    c.add_argument("--concurrency", type=int, default=_ROLLOUT.concurrency, help="requests in flight per server")
+    c.add_argument("--request-timeout", type=float, default=_ROLLOUT.request_timeout_s,
+                   help="seconds per /generate request")
+    c.add_argument("--max-attempts", type=int, default=_ROLLOUT.max_attempts, help="tries per group over all servers")
     la = p.add_argument_group("--launch")
     la.add_argument("--num-servers", type=int, default=1)
     la.add_argument("--sglang-python", help="interpreter with SGLang (default: $MEGATRON_GSPO_SGLANG_PYTHON "
                                            "or .venv-sglang/bin/python)")
     la.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     la.add_argument("--dtype", help="server dtype, e.g. float32 (default: SGLang's auto)")
-    la.add_argument("--max-total-tokens", type=int, default=16384, help="KV-cache tokens per server")
+    la.add_argument("--max-total-tokens", type=int, help="KV-cache tokens per server (default: SGLang's own on cuda, "
+                                                          "16384 on cpu)")
     la.add_argument("--log-dir", help="where server logs go")
     p.set_defaults(func=run_rollout)
 
 
 def run_rollout(args) -> int:
-    from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+    from megatron_gspo.rollout.sglang.client import RolloutClient
     from megatron_gspo.rollout.jsonl import read_prompts, write_samples
     from megatron_gspo.rewards.pool import RewardPool, check_batch
     from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
@@ -75,19 +78,20 @@ def run_rollout(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               stop_token_ids=tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip()))
-    client_config = ClientConfig(concurrency_per_server=args.concurrency, request_timeout_s=args.request_timeout,
-                                 max_attempts=args.max_attempts, api_key=args.api_key)
+    settings = RolloutConfig(concurrency=args.concurrency, request_timeout_s=args.request_timeout,
+                             max_attempts=args.max_attempts, api_key=args.api_key,
+                             max_total_tokens=args.max_total_tokens)
     with contextlib.ExitStack() as stack:
         if args.launch:
-            server_config = ServerConfig(model_path=args.launch, python=args.sglang_python or default_sglang_python(),
-                                         device=args.device, api_key=args.api_key, dtype=args.dtype,
-                                         max_total_tokens=args.max_total_tokens, log_dir=args.log_dir)
+            server_config = ServerConfig(model_path=args.launch, settings=settings, device=args.device,
+                                         dtype=args.dtype, python=args.sglang_python or default_sglang_python(),
+                                         log_dir=args.log_dir)
             print(f"starting {args.num_servers} SGLang server(s) on {args.launch} ...", file=sys.stderr)
             servers = stack.enter_context(launch_servers(server_config, args.num_servers))
             urls = [s.url for s in servers]
         else:
             urls = [u.strip() for u in args.servers.split(",") if u.strip()]
-        groups, stats = asyncio.run(RolloutClient(urls, client_config).generate(prompts, args.n, sampling))
+        groups, stats = asyncio.run(RolloutClient(urls, settings).generate(prompts, args.n, sampling))
     samples = [s for g in groups for s in g]
     if args.reward:
         with RewardPool(args.reward, workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
@@ -158,8 +162,9 @@ def run_train(args) -> int:
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="run one SGLang server for a training config, in the foreground",
-                       description="Start one SGLang server on the config's model.hf_path (dtype, request limit "
-                                   "from the config), wait until it answers, and keep it running until "
+                       description="Start one SGLang server on the config's model.hf_path (dtype, and the "
+                                   "rollout.* server settings: concurrency, max_total_tokens, server_args, "
+                                   "server_startup_timeout_s, ...), wait until it answers, and keep it running until "
                                    "SIGTERM/SIGINT. For jobs whose rollout nodes are not the trainer's "
                                    "(scripts/slurm/gspo.sbatch); give the trainer rollout.server_urls.")
     p.add_argument("config", help="the training config (YAML)")
@@ -169,12 +174,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--sglang-python", help="interpreter with SGLang, a path or a name on PATH (default: "
                                            "$MEGATRON_GSPO_SGLANG_PYTHON or .venv-sglang/bin/python)")
-    p.add_argument("--max-total-tokens", type=int, help="KV-cache tokens (default: SGLang's own on cuda, 16384 "
-                                                        "on cpu, where SGLang would take ~70%% of RAM)")
     p.add_argument("--log-dir", help="where the server log goes (default: RUN_DIR/sglang_logs/HOSTNAME)")
-    p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds until the server must answer")
-    p.add_argument("--sglang-args", default="", help="further `sglang.launch_server` arguments, one string, "
-                                                     "e.g. '--tp-size 2 --mem-fraction-static 0.8'")
+    p.add_argument("--sglang-args", default="", help="further `sglang.launch_server` arguments (after the config's "
+                                                     "rollout.server_args), one string, e.g. '--tp-size 2'")
     p.set_defaults(func=run_serve)
 
 
@@ -189,13 +191,11 @@ def run_serve(args) -> int:
 
     config = load_config(args.config, args.overrides)
     python = args.sglang_python or default_sglang_python()
-    max_total_tokens = args.max_total_tokens or (16384 if args.device == "cpu" else None)
     log_dir = args.log_dir or str(Path(config.logging.run_dir, "sglang_logs", socket.gethostname()))
-    server = ServerConfig(model_path=config.model.hf_path, python=shutil.which(python) or python, device=args.device,
-                          host=args.host, dtype=config.model.dtype, weight_version="0",
-                          max_total_tokens=max_total_tokens, max_running_requests=config.rollout.concurrency,
-                          extra_args=tuple(shlex.split(args.sglang_args)), startup_timeout_s=args.startup_timeout,
-                          log_dir=log_dir)
+    server = ServerConfig(model_path=config.model.hf_path, settings=config.rollout, device=args.device,
+                          dtype=config.model.dtype, python=shutil.which(python) or python, host=args.host,
+                          weight_version="0", return_routed_experts=config.gspo.routing_replay == "rollout",
+                          log_dir=log_dir, extra_args=tuple(shlex.split(args.sglang_args)))
     return serve(server, args.port)
 
 

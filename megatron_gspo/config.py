@@ -9,12 +9,11 @@ Paths and names that only the package knows (model presets, reward functions, da
 `megatron_gspo.training.preflight` checks them before work starts. This module imports nothing from
 the package, so every layer may take its section of the config.
 
-One object per concept, passed down unchanged: `ParallelConfig` is the parallel layout that
-`parallel.groups.init_megatron` and the model builder take; `SamplingConfig` is what both rollout
-backends and the offline `megatron-gspo rollout` command sample with; `GSPOConfig` the algorithm.
-
-Aliases (older key names, still accepted in YAML and overrides): gspo.temperature -> sampling.temperature,
-rollout.max_new_tokens / top_p / top_k -> sampling.max_new_tokens / top_p / top_k.
+One object per concept, passed down unchanged, and the one place each setting and its default is declared:
+`ParallelConfig` is the parallel layout that `parallel.groups.init_megatron` and the model builder take;
+`SamplingConfig` is what both rollout backends and the offline `megatron-gspo rollout` command sample with;
+`RolloutConfig` is what the SGLang client and the servers a run launches are built from; `GSPOConfig` the
+algorithm. Lower-level objects are built from these in one place each and declare no defaults of their own.
 """
 from __future__ import annotations
 
@@ -200,25 +199,58 @@ class RolloutConfig:
     concurrency: int = 64
     """Requests in flight per server."""
     parallel_sampling: Literal["n", "copies"] = "n"
-    """How the G samples of a group are asked of SGLang (one request per group either way): n (the prompt
-    once, sampling_params.n = G: one prefill shared by the G samples) or copies (the prompt G times with
-    n = 1: no warm-up round trip, one message to the scheduler; faster for short prompts and with the
-    radix cache off, e.g. the CPU demo). See rollout/sglang/client.py:ClientConfig.parallel_sampling."""
+    """How the G samples of a group are asked of SGLang, one request per group either way. n: the prompt
+    once with sampling_params.n = G (SGLang prefills it in a warm-up round trip to its scheduler, then forks
+    G samples from the cached prefix: tokenizer_manager.py:_handle_batch_request). copies: the prompt G times
+    with n = 1 (SGLang hands the G copies to its scheduler in one message, no warm-up; each copy prefills its
+    prompt unless the radix cache shares it). Copies win where prompts are short or the radix cache is off
+    (the CPU demo: rollout 0.84x the time); n where long prompts share a prefill."""
     groups_per_request: int = 1
-    """Groups sent to SGLang in one /generate request. 1: one request per group, scored the moment it
-    finishes; more: fewer requests (SGLang's per-request cost dominates very short responses), each
-    request's groups scored when all of them are done and retried together. See
-    rollout/sglang/client.py:ClientConfig.groups_per_request."""
+    """Groups sent together in one /generate request (SGLang's batch form: a list of prompts). 1: each group
+    on its own, scored the moment it finishes and retried alone. More: fewer requests for SGLang's HTTP
+    front end and tokenizer manager to handle (their per-request cost dominates short responses: the demo's
+    16 groups x 16 samples of 4 tokens in one request took 0.83x the time of 16 requests), but a request's
+    groups are scored only when all of them are done, and retried together."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
     under run_dir/weights that the servers read; needs a file system they share), tensor (shared
     memory / CUDA IPC handles: servers on rank 0's host only) or broadcast (a gloo/NCCL group of
     trainer rank 0 and the servers)."""
     request_timeout_s: float = 600.0
-    """Seconds before a generation request is retried."""
+    """Longest wait for one /generate answer (groups_per_request groups of G full responses): a stalled
+    server fails the request, which is retried on another."""
+    connect_timeout_s: float = 10.0
+    """Longest wait to open a connection to a server."""
+    max_attempts: int = 4
+    """Tries per request over all servers before the rollout fails."""
+    max_server_failures: int = 2
+    """Consecutive failed requests after which a server is retired for the rest of a rollout call."""
+    retry_backoff_s: float = 0.2
+    """Pause before a failed request is sent again (doubles per attempt)."""
+    api_key: str | None = None
+    """The servers' API key: sent as `Authorization: Bearer ...` with every request (rollout.server_urls),
+    and required by the servers this run launches (`--api-key`). None: no key."""
     server_args: tuple[str, ...] = ()
-    """Further `sglang.launch_server` arguments for the servers this run launches, verbatim, e.g.
-    `rollout.server_args=[--disable-overlap-schedule]` (unused with rollout.server_urls)."""
+    """Further `sglang.launch_server` arguments for the servers this run launches (and `megatron-gspo
+    serve`), verbatim, e.g. `rollout.server_args=[--mem-fraction-static,0.8]`."""
+    max_total_tokens: int | None = None
+    """KV-cache size of each launched server, in tokens (`--max-total-tokens`). None: SGLang's own on CUDA,
+    16384 on CPU (where SGLang's own would take ~70% of the machine's memory)."""
+    sleep_on_idle: bool = True
+    """Launched servers run with `--sleep-on-idle`: with nothing to do, the scheduler waits on its request
+    sockets instead of polling them in a busy loop. Without it an idle CPU server keeps a core at 50-100%
+    (measured: two idle servers took ~1.5 of a 2-core machine), which the trainer needs between rollouts."""
+    overlap_schedule: bool | None = None
+    """SGLang's overlap scheduler (CPU-side batch preparation overlapped with the previous batch's forward)
+    on launched servers; None: on with CUDA, off on CPU (`--disable-overlap-schedule`), where there is no
+    device to overlap with (measured on the demo: rollout 0.85x, step 0.93x the time with it off)."""
+    cpu_batched_attention: bool = True
+    """CPU servers only: SGLang's torch_native attention runs as one batched SDPA per layer instead of one per
+    request (the plugin platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py): the demo's rollout call
+    (16 prompts x 16) in 0.6x the time. False: SGLang's own per-request loop."""
+    server_startup_timeout_s: float = 1800.0
+    """How long a launched server (or `megatron-gspo serve`) may take to answer /health_generate; a server
+    that exits during start-up is reported at once, whatever this is."""
     max_staleness: int = 0
     """Rollout batches generated ahead of training (rollout/manager.py): 0 = synchronous (generate, then
     train); 1 = one-step-off (the next batch is generated by the servers while the current one trains,
@@ -235,7 +267,13 @@ class RolloutConfig:
     share of response tokens not trained."""
 
     def __post_init__(self):
-        _positive("rollout", self, "num_servers", "concurrency", "groups_per_request")
+        _positive("rollout", self, "num_servers", "concurrency", "groups_per_request", "max_attempts",
+                  "max_server_failures")
+        for name in ("request_timeout_s", "connect_timeout_s", "server_startup_timeout_s"):
+            _check(getattr(self, name) > 0, f"rollout.{name}", "must be > 0", getattr(self, name))
+        _check(self.retry_backoff_s >= 0, "rollout.retry_backoff_s", "must be >= 0", self.retry_backoff_s)
+        if self.max_total_tokens is not None:
+            _positive("rollout", self, "max_total_tokens")
         _check(not self.partial_rollout or self.max_staleness > 0, "rollout.partial_rollout",
                "needs rollout.max_staleness > 0 (a synchronous run has no batch in flight when it pushes weights)",
                self.partial_rollout)
@@ -243,7 +281,6 @@ class RolloutConfig:
         _check(self.max_staleness == 0 or self.backend == "sglang", "rollout.max_staleness",
                "must be 0 with rollout.backend=megatron (the model samples on the ranks that train it: "
                "generation cannot overlap training)", self.max_staleness)
-        _check(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0", self.request_timeout_s)
         if self.backend == "megatron":
             _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
                    self.server_urls)
@@ -508,31 +545,6 @@ class TrainConfig:
 
 # ---- loading -------------------------------------------------------------------------------------
 
-ALIASES: dict[str, str] = {
-    "gspo.temperature": "sampling.temperature",
-    "rollout.max_new_tokens": "sampling.max_new_tokens",
-    "rollout.top_p": "sampling.top_p",
-    "rollout.top_k": "sampling.top_k",
-}
-"""Older key -> its key now. Both spellings load; the resolved config (dump_yaml) uses the new one."""
-
-
-def _apply_aliases(raw: dict, where: str) -> None:
-    """Move aliased YAML keys to their sections (in place); both spellings at once is an error."""
-    for old, new in ALIASES.items():
-        old_section, old_leaf = old.split(".")
-        section = raw.get(old_section)
-        if not isinstance(section, dict) or old_leaf not in section:
-            continue
-        new_section, new_leaf = new.split(".")
-        target = raw.setdefault(new_section, {})
-        if not isinstance(target, dict):
-            continue  # reported as "must be a mapping" by from_dict
-        if new_leaf in target:
-            raise ValueError(f"{where}: {old} and {new} are the same setting; give only {new}")
-        target[new_leaf] = section.pop(old_leaf)
-
-
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """TrainConfig from a YAML file (or the defaults) with `key.sub=value` overrides applied."""
     raw: dict = {}
@@ -541,12 +553,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raw = yaml.safe_load(f) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-        _apply_aliases(raw, str(path))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key.sub=value")
-        key = ALIASES.get(key.strip(), key.strip())
+        key = key.strip()
         *parents, leaf = key.split(".")
         cls, node, prefix = TrainConfig, raw, ""
         for i, part in enumerate(parents):
@@ -624,13 +635,18 @@ def _field_type(cls, key: str, prefix: str):
 
 
 def _suggestion(key: str, prefix: str, hints: dict) -> str:
-    close = difflib.get_close_matches(key, hints, n=1, cutoff=0.6)
-    if close:  # a typo in this section
-        return f"; did you mean {prefix + close[0]!r}?"
-    by_leaf = {p.rsplit(".", 1)[-1]: p for p in reversed(_leaf_paths(TrainConfig))}
-    close = difflib.get_close_matches(key, by_leaf, n=1, cutoff=0.75)
-    if close:  # the name of a field in another section, e.g. `eps_low` -> `gspo.eps_low`
-        return f"; did you mean {by_leaf[close[0]]!r}?"
+    """The closest valid key: a typo in this section, or the name of a field in another section (e.g.
+    `eps_low` -> `gspo.eps_low`, `rollout.max_new_tokens` -> `sampling.max_new_tokens`), whichever is closer."""
+    def closeness(name: str) -> float:
+        return difflib.SequenceMatcher(None, key, name).ratio()
+    here = max(hints, key=closeness)
+    by_leaf = {p.rsplit(".", 1)[-1]: p for p in reversed(_leaf_paths(TrainConfig))
+               if not (prefix and p.startswith(prefix))}
+    elsewhere = max(by_leaf, key=closeness, default=None)
+    if elsewhere is not None and closeness(elsewhere) >= 0.75 and closeness(elsewhere) > closeness(here):
+        return f"; did you mean {by_leaf[elsewhere]!r}?"
+    if closeness(here) >= 0.6:
+        return f"; did you mean {prefix + here!r}?"
     return f"; valid keys: {', '.join(hints)}"
 
 

@@ -1,6 +1,6 @@
 """Where pi_old's log-probs come from: one strategy, chosen once at set-up, asked once per rollout batch.
 
-    source = old_logprobs_source("recompute", "auto", "off", routing)        # at set-up (training/setup.py)
+    source = old_logprobs_source(config.gspo, policy.routing)               # at set-up (training/setup.py)
     olds = source.prepare(model, packed, minis, settings, pgs)               # per batch, before any update
     # then mini-batch k trains with olds[k] (training/step.py)
 
@@ -37,6 +37,7 @@ from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_s
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo import profiling
+from megatron_gspo.config import GSPOConfig
 from megatron_gspo.microbatch import sequence_sums
 from megatron_gspo.model.routing import MoERouting, RoutingPass
 from megatron_gspo.model.schedule import run_schedule
@@ -90,24 +91,18 @@ class OldLogprobs(Protocol):
 RoutingReplay = Literal["off", "old", "rollout"]
 
 
-def old_logprobs_source(old_logprobs: Literal["recompute", "rollout"], recompute: Literal["auto", "fused", "per_minibatch"],
-                        routing_replay: RoutingReplay, routing: MoERouting | None) -> OldLogprobs:
-    """The strategy for gspo.old_logprobs / gspo.recompute / gspo.routing_replay on a model whose routers are
-    `routing` (None: dense). The combinations the config allows only; anything else is a ValueError."""
-    if routing_replay != "off" and routing is None:
-        raise ValueError(f"gspo.routing_replay={routing_replay} needs an MoE model (and its MoERouting)")
-    if old_logprobs == "rollout":
-        if routing_replay == "old":
-            raise ValueError("gspo.routing_replay=old needs gspo.old_logprobs=recompute")
-        return FromRollout(routing if routing_replay == "rollout" else None)
+def old_logprobs_source(gspo: GSPOConfig, routing: MoERouting | None) -> OldLogprobs:
+    """The strategy for gspo.old_logprobs / gspo.recompute / gspo.routing_replay (a validated GSPOConfig: the
+    combinations config.py refuses never reach here; preflight refuses replay on a dense model and fused
+    recompute on an MoE one) on a model whose routers are `routing` (None: dense, or routing not tracked)."""
+    if gspo.old_logprobs == "rollout":
+        return FromRollout(routing if gspo.routing_replay == "rollout" else None)
+    recompute = gspo.recompute
     if recompute == "auto":
         recompute = "fused" if routing is None else "per_minibatch"
     if recompute == "fused":
-        if routing is not None:
-            raise ValueError("gspo.recompute=fused is for dense models: an MoE model's routing is recorded per "
-                             "micro-batch (use per_minibatch or auto)")
         return FusedRecompute()
-    return PerMinibatchRecompute(routing, routing_replay)
+    return PerMinibatchRecompute(routing, gspo.routing_replay)
 
 
 class FromRollout:

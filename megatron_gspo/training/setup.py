@@ -65,5 +65,4 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
 
 def old_logprobs(config: TrainConfig, policy: Policy) -> OldLogprobs:
     """How pi_old's log-probs are obtained (gspo.old_logprobs, gspo.recompute, gspo.routing_replay)."""
-    g = config.gspo
-    return old_logprobs_source(g.old_logprobs, g.recompute, g.routing_replay, policy.routing)
+    return old_logprobs_source(config.gspo, policy.routing)

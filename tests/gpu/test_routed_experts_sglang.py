@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, arithmetic_corpus, make_tiny_qwen3
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec
 from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
 from megatron_gspo.samples import Prompt
@@ -43,10 +45,10 @@ def groups(moe_dir, tmp_path_factory):
     prompts = [Prompt(group_id=i, prompt_ids=tokenizer(line.split("=")[0] + "=")["input_ids"])
                for i, line in enumerate(arithmetic_corpus(4, seed=0))]
     routing = RoutingSpec.from_hf_config(moe_dir)
-    config = ServerConfig(model_path=str(moe_dir), device="cuda", dtype="float32", return_routed_experts=True,
-                          log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=600)
+    config = ServerConfig(model_path=str(moe_dir), settings=RolloutConfig(server_startup_timeout_s=600), device="cuda",
+                          dtype="float32", return_routed_experts=True, log_dir=str(tmp_path_factory.mktemp("sglang_logs")))
     with launch_servers(config, num_servers=1, gpu_ids=[0]) as servers:
-        client = RolloutClient([servers[0].url], ClientConfig(routed_experts=routing))
+        client = RolloutClient([servers[0].url], RolloutConfig(), routed_experts=routing)
         groups, _ = client.generate_sync(prompts, G, SamplingConfig(max_new_tokens=16))
     return groups
 

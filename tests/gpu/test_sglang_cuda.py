@@ -30,9 +30,10 @@ import pytest
 import torch
 
 from gpu_requirements import cuda_missing, gpus_missing, sglang_cuda_missing, skip_unless
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 from megatron_gspo.samples import Prompt
 from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, write_hf_checkpoint
@@ -55,8 +56,8 @@ BF16_MEAN_TOLERANCE = 0.1
 
 
 def server_config(model_dir, log_dir) -> ServerConfig:
-    return ServerConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16", weight_version="0",
-                        extra_args=SERVER_ARGS, log_dir=str(log_dir), startup_timeout_s=300)
+    return ServerConfig(model_path=str(model_dir), settings=RolloutConfig(server_args=SERVER_ARGS, server_startup_timeout_s=300),
+                        device="cuda", dtype="bfloat16", weight_version="0", log_dir=str(log_dir))
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -86,7 +87,7 @@ def perturbed(served):
 
 
 def rollout(url: str, temperature: float, n: int = 1):
-    groups, _ = RolloutClient([url], ClientConfig()).generate_sync(
+    groups, _ = RolloutClient([url], RolloutConfig()).generate_sync(
         PROMPTS, n, SamplingConfig(temperature=temperature, max_new_tokens=12))
     return [s for g in groups for s in g]
 
@@ -151,7 +152,7 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
     """rollout.partial_rollout on CUDA: a CUDA-IPC push while 6 long requests generate pauses them (retract),
     loads the new weights and continues them; the tokens after each response's stale prefix carry the new
     weights' log-probs (tests/sglang/test_partial_rollout_sglang.py checks the same on CPU in float32)."""
-    client = RolloutClient([served.url], ClientConfig(weight_spans=True))
+    client = RolloutClient([served.url], RolloutConfig(partial_rollout=True, max_staleness=1))
     prompts = [Prompt(i, [40 + i, 41, 42]) for i in range(6)]
     on_gpu = [(k, v.cuda()) for k, v in perturbed.changed.items()]
     try:

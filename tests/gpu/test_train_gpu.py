@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from gpu_requirements import cuda_missing, sglang_cuda_missing, skip_unless, te_missing
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 
@@ -86,9 +87,10 @@ def check_run(run_dir: Path) -> list[dict]:
 
 def test_two_gspo_steps_with_te_nccl_and_cuda_sglang(tmp_path):
     model_dir = make_tiny_qwen3(tmp_path / "hf", SPEC)
-    server = ServerConfig(model_path=str(model_dir), device="cuda", dtype="bfloat16", weight_version="0",
-                          max_running_requests=64, extra_args=("--mem-fraction-static", "0.25", "--disable-cuda-graph"),
-                          log_dir=str(tmp_path / "sglang_logs"), startup_timeout_s=300)
+    settings = RolloutConfig(concurrency=64, server_args=("--mem-fraction-static", "0.25", "--disable-cuda-graph"),
+                             server_startup_timeout_s=300)
+    server = ServerConfig(model_path=str(model_dir), settings=settings, device="cuda", dtype="bfloat16",
+                          weight_version="0", log_dir=str(tmp_path / "sglang_logs"))
     with launch_servers(server, num_servers=1, gpu_ids=[0]) as servers:
         out = train(train_overrides(model_dir, tmp_path / "run", servers[0].url), tmp_path / "train.log",
                     {"NCCL_DEBUG": "INFO"})

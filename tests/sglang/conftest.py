@@ -6,6 +6,7 @@ right after the last other test that uses the servers (see pytest_collection_mod
 """
 import pytest
 
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 from sglang_test_utils import API_KEY
@@ -30,8 +31,8 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def servers(tiny_model_dir, tmp_path_factory):
-    config = ServerConfig(model_path=str(tiny_model_dir), dtype="float32", api_key=API_KEY,
-                          log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout_s=240)
+    config = ServerConfig(model_path=str(tiny_model_dir), settings=RolloutConfig(api_key=API_KEY, server_startup_timeout_s=240),
+                          device="cpu", dtype="float32", log_dir=str(tmp_path_factory.mktemp("sglang_logs")))
     with launch_servers(config, num_servers=2) as servers:
         print(f"\nSGLang servers ready after {[round(s.ready_after_s, 1) for s in servers]} s")
         yield servers

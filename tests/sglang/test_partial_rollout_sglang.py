@@ -10,8 +10,10 @@ import copy
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.samples import Prompt
 from megatron_gspo.rollout.sglang.weight_sync import DiskSync, ServerAdmin
 from sglang_test_utils import API_KEY, push_during_rollout, recompute_logprobs
@@ -27,7 +29,7 @@ def test_a_push_into_requests_in_flight_continues_them_under_the_new_weights(ser
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
     new_model = copy.deepcopy(hf_model)
     new_model.load_state_dict(perturbed)
-    client = RolloutClient(urls, ClientConfig(api_key=API_KEY, weight_spans=True))
+    client = RolloutClient(urls, RolloutConfig(api_key=API_KEY, partial_rollout=True, max_staleness=1))
     prompts = [Prompt(group_id=i, prompt_ids=[40 + i, 41, 42]) for i in range(4)]
     sync = DiskSync(urls, tmp_path / "weights", tiny_model_dir, api_key=API_KEY, pause_generation=True)
     try:

@@ -7,8 +7,10 @@ import sys
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, RolloutError
+from megatron_gspo.rollout.sglang.client import RolloutClient, RolloutError
 from megatron_gspo.rollout.sglang.server import cpu_plugin
 from sglang_test_utils import API_KEY, make_prompts, recompute_logprobs
 
@@ -18,7 +20,7 @@ G = 4
 
 
 def client(servers, **overrides):
-    return RolloutClient([s.url for s in servers], ClientConfig(api_key=API_KEY, **overrides))
+    return RolloutClient([s.url for s in servers], RolloutConfig(api_key=API_KEY, **overrides))
 
 
 @pytest.mark.parametrize("temperature, parallel_sampling, groups_per_request",
@@ -81,10 +83,10 @@ def test_idle_servers_leave_the_cpu_to_the_trainer(servers):
 
 def test_wrong_api_key_and_unreachable_server(servers, tokenizer):
     prompts = make_prompts(tokenizer, 2)
-    bad_key = RolloutClient([servers[0].url], ClientConfig(api_key="wrong"))
+    bad_key = RolloutClient([servers[0].url], RolloutConfig(api_key="wrong"))
     with pytest.raises(RolloutError, match="HTTP 401.*API key"):
         bad_key.generate_sync(prompts, G, SamplingConfig(max_new_tokens=4))
-    unreachable = RolloutClient(["http://127.0.0.1:9"], ClientConfig(api_key=API_KEY, retry_backoff_s=0.01))
+    unreachable = RolloutClient(["http://127.0.0.1:9"], RolloutConfig(api_key=API_KEY, retry_backoff_s=0.01))
     with pytest.raises(RolloutError, match=r"all 1 servers failed.*127\.0\.0\.1:9.*ConnectError"):
         unreachable.generate_sync(prompts, G, SamplingConfig(max_new_tokens=4))
 
@@ -110,7 +112,7 @@ def test_server_killed_mid_rollout_every_group_still_has_G(servers, tokenizer):
     # ~6k response tokens: several seconds on two CPU servers, so the kill at 1 s lands mid-rollout
     # with requests in flight on the killed server.
     prompts = make_prompts(tokenizer, 16, seed=2)
-    rollout = client(servers, concurrency_per_server=4, retry_backoff_s=0.1)
+    rollout = client(servers, concurrency=4, retry_backoff_s=0.1)
 
     async def main():
         generate = asyncio.create_task(rollout.generate(prompts, 8, SamplingConfig(max_new_tokens=48)))

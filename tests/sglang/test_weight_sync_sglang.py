@@ -9,8 +9,10 @@ import copy
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, sync_from_disk, write_hf_checkpoint
 from megatron_gspo.samples import Prompt
 
@@ -37,7 +39,7 @@ def before(servers):
 
 
 def rollout(url, temperature, n=1):
-    groups, _ = RolloutClient([url], ClientConfig(api_key=API_KEY)).generate_sync(
+    groups, _ = RolloutClient([url], RolloutConfig(api_key=API_KEY)).generate_sync(
         PROMPTS, n, SamplingConfig(temperature=temperature, max_new_tokens=10))
     return [s for g in groups for s in g]
 

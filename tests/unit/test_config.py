@@ -63,7 +63,6 @@ def test_yaml_scientific_notation_without_dot(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("gspo.eps_low=-1", "gspo.eps_low must be in [0, 1), got -1.0"),
-    ("gspo.temperature=0", "sampling.temperature must be > 0"),     # the alias names the setting's home
     ("sampling.temperature=0", "sampling.temperature must be > 0"),
     ("parallel.tp=0", "parallel.tp must be >= 1"),
     ("parallel.tp=two", "parallel.tp must be an integer, got 'two'"),
@@ -71,7 +70,11 @@ def test_yaml_scientific_notation_without_dot(tmp_path):
     ("gspo.old_logprobs=sglang", "gspo.old_logprobs must be one of recompute, rollout"),
     ("logging.tensorboard=maybe", "logging.tensorboard must be true or false"),
     ("gspo.num_minibatches=3", "gspo.num_minibatches must divide prompts_per_step * group_size = 256"),
-    ("rollout.top_p=1.5", "sampling.top_p must be in (0, 1]"),
+    ("sampling.top_p=1.5", "sampling.top_p must be in (0, 1]"),
+    ("rollout.max_attempts=0", "rollout.max_attempts must be >= 1"),
+    ("rollout.max_total_tokens=0", "rollout.max_total_tokens must be >= 1"),
+    ("rollout.connect_timeout_s=0", "rollout.connect_timeout_s must be > 0"),
+    ("rollout.retry_backoff_s=-1", "rollout.retry_backoff_s must be >= 0"),
     ("sampling.top_k=0", "sampling.top_k must be -1 or >= 1"),
     ("sampling.stop_token_ids=1,x", "sampling.stop_token_ids must be a list of integers"),
     ("optimizer.min_lr=1", "optimizer.min_lr must be in [0, lr]"),
@@ -138,19 +141,22 @@ def test_final_export_needs_a_checkpoint_and_hf_files(tmp_path):
     assert config.checkpoint.export_hf == str(tmp_path / "out")
 
 
-def test_aliases_reach_the_sampling_section(tmp_path):
-    config = load_config(TINY, ["gspo.temperature=0.7", "rollout.top_k=5", "rollout.max_new_tokens=9",
-                                "sampling.stop_token_ids=3, 4"])
-    assert (config.sampling.temperature, config.sampling.top_k, config.sampling.max_new_tokens) == (0.7, 5, 9)
-    assert config.sampling.stop_token_ids == (3, 4)
-    assert load_config(TINY).sampling.max_new_tokens == 4   # tiny_cpu.yaml: sampling.max_new_tokens: 4
+def test_recompute_mode_only_with_recompute():
+    assert load_config(TINY, ["gspo.old_logprobs=rollout"]).gspo.recompute == "auto"
+    with pytest.raises(ValueError, match="gspo.recompute applies to gspo.old_logprobs=recompute only"):
+        load_config(TINY, ["gspo.old_logprobs=rollout", "gspo.recompute=per_minibatch"])
+
+
+@pytest.mark.parametrize("old, new", [("gspo.temperature", "sampling.temperature"), ("rollout.top_k", "sampling.top_k"),
+                                      ("rollout.max_new_tokens", "sampling.max_new_tokens"),
+                                      ("rollout.top_p", "sampling.top_p")])
+def test_keys_that_moved_name_their_home(tmp_path, old, new):
+    with pytest.raises(ValueError, match=f"unknown config key '{old}'; did you mean '{new}'"):
+        load_config(TINY, [f"{old}=0.5"])
+    section, leaf = old.split(".")
     path = tmp_path / "old.yaml"                             # YAML written with the older keys
-    path.write_text("model: {hf_path: x}\ngspo: {temperature: 0.5}\nrollout: {max_new_tokens: 7, top_p: 0.5}\n")
-    old = load_config(path)
-    assert (old.sampling.temperature, old.sampling.max_new_tokens, old.sampling.top_p) == (0.5, 7, 0.5)
-    path = tmp_path / "c.yaml"
-    path.write_text("model: {hf_path: x}\ngspo: {temperature: 0.5}\nsampling: {temperature: 0.6}\n")
-    with pytest.raises(ValueError, match="gspo.temperature and sampling.temperature are the same setting"):
+    path.write_text(f"model: {{hf_path: x}}\n{section}: {{{leaf}: 0.5}}\n")
+    with pytest.raises(ValueError, match=f"unknown config key '{old}'; did you mean '{new}'"):
         load_config(path)
 
 

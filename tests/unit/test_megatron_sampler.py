@@ -72,7 +72,7 @@ def test_config_errors_for_the_megatron_backend(tmp_path):
     from megatron_gspo.training.preflight import preflight
 
     with pytest.raises(ValueError, match="sampling.top_p < 1 needs sampling.top_k >= 1 with rollout.backend=megatron"):
-        preflight(load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "rollout.top_p=0.9"]))
+        preflight(load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", "sampling.top_p=0.9"]))
     # A preset is a shape without a tokenizer: the prompts cannot be encoded.
     config = load_config(None, ["model.preset=tiny_moe", "rollout.backend=megatron", f"logging.run_dir={tmp_path}",
                                 "data.train=examples/data/arithmetic/train.jsonl"])

@@ -3,8 +3,9 @@ import asyncio
 import pytest
 
 from fake_sglang_server import FakeSGLang
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.config import SamplingConfig
-from megatron_gspo.rollout.sglang.client import (ClientConfig, RolloutClient, RolloutError, ServerResponseError,
+from megatron_gspo.rollout.sglang.client import (RolloutClient, RolloutError, ServerResponseError,
                                           sglang_sampling_params)
 from megatron_gspo.samples import Prompt
 
@@ -34,7 +35,7 @@ def run(coro):
 def test_groups_are_spread_round_robin_and_complete():
     async def main():
         async with FakeSGLang(name="a") as a, FakeSGLang(name="b") as b:
-            client = RolloutClient([a.url, b.url], ClientConfig(concurrency_per_server=3, **FAST))
+            client = RolloutClient([a.url, b.url], RolloutConfig(concurrency=3, **FAST))
             groups, stats = await client.generate(prompts(10), G, SamplingConfig(max_new_tokens=3, top_k=5))
             return groups, stats, a, b
     groups, stats, a, b = run(main())
@@ -53,7 +54,7 @@ def test_kept_connections_outlive_a_call(keep):
     steps); without it each call connects anew; close_connections closes it."""
     async def main():
         async with FakeSGLang(name="a") as a:
-            client = RolloutClient([a.url], ClientConfig(concurrency_per_server=1, **FAST))
+            client = RolloutClient([a.url], RolloutConfig(concurrency=1, **FAST))
             if keep:
                 await client.keep_connections()
             for i in range(3):
@@ -68,7 +69,7 @@ def test_kept_connections_outlive_a_call(keep):
 def test_copies_ask_for_a_group_as_g_prompts_with_n_1():
     async def main():
         async with FakeSGLang(name="a") as a:
-            config = ClientConfig(parallel_sampling="copies", **FAST)
+            config = RolloutConfig(parallel_sampling="copies", **FAST)
             groups, _ = await RolloutClient([a.url], config).generate(prompts(3), G, SamplingConfig(max_new_tokens=3))
             return groups, a
     groups, a = run(main())
@@ -81,7 +82,7 @@ def test_copies_ask_for_a_group_as_g_prompts_with_n_1():
 def test_server_dying_mid_batch_loses_and_duplicates_nothing():
     async def main():
         async with FakeSGLang(name="a", die_after=3, delay_s=0.02) as a, FakeSGLang(name="b", delay_s=0.02) as b:
-            client = RolloutClient([a.url, b.url], ClientConfig(concurrency_per_server=2, **FAST))
+            client = RolloutClient([a.url, b.url], RolloutConfig(concurrency=2, **FAST))
             groups, stats = await client.generate(prompts(16), G)
             return groups, stats, a, b
     groups, stats, a, b = run(main())
@@ -97,7 +98,7 @@ def test_server_dying_mid_batch_loses_and_duplicates_nothing():
 def test_stalled_server_times_out_and_its_groups_go_elsewhere():
     async def main():
         async with FakeSGLang(name="a", stall=True) as a, FakeSGLang(name="b") as b:
-            config = ClientConfig(concurrency_per_server=2, retry_backoff_s=0.01, request_timeout_s=0.5,
+            config = RolloutConfig(concurrency=2, retry_backoff_s=0.01, request_timeout_s=0.5,
                                   max_server_failures=1)
             groups, stats = await RolloutClient([a.url, b.url], config).generate(prompts(6), G)
             return groups, stats, b
@@ -110,7 +111,7 @@ def test_stalled_server_times_out_and_its_groups_go_elsewhere():
 def test_aborted_samples_are_retried_on_another_server():
     async def main():
         async with FakeSGLang(name="a", abort=True) as a, FakeSGLang(name="b") as b:
-            return await RolloutClient([a.url, b.url], ClientConfig(**FAST)).generate(prompts(4), G)
+            return await RolloutClient([a.url, b.url], RolloutConfig(**FAST)).generate(prompts(4), G)
     groups, stats = run(main())
     assert_complete(groups, 4)
     assert all(s.weight_version == "b" for g in groups for s in g)
@@ -121,7 +122,7 @@ def test_unreachable_servers_give_a_clear_error():
         async with FakeSGLang() as a, FakeSGLang() as b:
             urls = [a.url, b.url]
         # both closed now: connection refused
-        await RolloutClient(urls, ClientConfig(**FAST)).generate(prompts(3), G)
+        await RolloutClient(urls, RolloutConfig(**FAST)).generate(prompts(3), G)
     with pytest.raises(RolloutError, match="all 2 servers failed") as info:
         run(main())
     assert "ConnectError" in str(info.value)
@@ -130,10 +131,10 @@ def test_unreachable_servers_give_a_clear_error():
 def test_wrong_api_key_fails_fast_without_retries():
     async def main():
         async with FakeSGLang(api_key="secret") as a:
-            client = RolloutClient([a.url], ClientConfig(api_key="wrong", **FAST))
+            client = RolloutClient([a.url], RolloutConfig(api_key="wrong", **FAST))
             with pytest.raises(RolloutError, match="HTTP 401.*API key"):
                 await client.generate(prompts(3), G)
-            ok, _ = await RolloutClient([a.url], ClientConfig(api_key="secret", **FAST)).generate(prompts(3), G)
+            ok, _ = await RolloutClient([a.url], RolloutConfig(api_key="secret", **FAST)).generate(prompts(3), G)
             return ok
     assert_complete(run(main()), 3)
 
@@ -143,7 +144,7 @@ def test_wrong_api_key_fails_fast_without_retries():
 def test_bad_logprobs_are_errors_not_nan(fault, message):
     async def main():
         async with FakeSGLang(**{fault: True}) as a:
-            await RolloutClient([a.url], ClientConfig(**FAST)).generate(prompts(2), G)
+            await RolloutClient([a.url], RolloutConfig(**FAST)).generate(prompts(2), G)
     with pytest.raises(ServerResponseError, match=message):
         run(main())
 
@@ -151,7 +152,7 @@ def test_bad_logprobs_are_errors_not_nan(fault, message):
 def test_group_out_of_attempts_names_the_group_and_errors():
     async def main():
         async with FakeSGLang(name="a", abort=True) as a:
-            config = ClientConfig(max_attempts=2, max_server_failures=10, **FAST)
+            config = RolloutConfig(max_attempts=2, max_server_failures=10, **FAST)
             await RolloutClient([a.url], config).generate(prompts(1), G)
     with pytest.raises(RolloutError, match="group 0 failed after 2 attempts.*aborted"):
         run(main())
@@ -159,9 +160,9 @@ def test_group_out_of_attempts_names_the_group_and_errors():
 
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="duplicate"):
-        RolloutClient(["http://x:1", "http://x:1"])
+        RolloutClient(["http://x:1", "http://x:1"], RolloutConfig())
     with pytest.raises(ValueError, match="unique"):
-        asyncio.run(RolloutClient(["http://x:1"]).generate([Prompt(0, [1]), Prompt(0, [2])], G))
+        asyncio.run(RolloutClient(["http://x:1"], RolloutConfig()).generate([Prompt(0, [1]), Prompt(0, [2])], G))
     assert sglang_sampling_params(SamplingConfig(stop_token_ids=(5,)), 2)["stop_token_ids"] == [5]
 
 
@@ -213,7 +214,7 @@ def test_several_groups_per_request_come_back_whole_and_in_order(parallel_sampli
 
     async def main():
         async with FakeSGLang(name="a", die_after=1) as a, FakeSGLang(name="b") as b:
-            config = ClientConfig(parallel_sampling=parallel_sampling, groups_per_request=3, **FAST)
+            config = RolloutConfig(parallel_sampling=parallel_sampling, groups_per_request=3, **FAST)
             groups, stats = await RolloutClient([a.url, b.url], config).generate(prompts(8), G, on_group=seen.append)
             return groups, stats, a, b
     groups, stats, a, b = run(main())

@@ -12,6 +12,8 @@ import types
 import pytest
 import torch.distributed as dist
 
+from megatron_gspo.config import RolloutConfig
+
 from megatron_gspo.config import GSPOConfig, ModelConfig, RewardConfig, TrainConfig
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.scoring import Scorer
@@ -344,7 +346,7 @@ def test_a_server_dying_mid_overlap_loses_no_sample():
     import asyncio
     import threading
     from fake_sglang_server import FakeSGLang
-    from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+    from megatron_gspo.rollout.sglang.client import RolloutClient
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -353,7 +355,7 @@ def test_a_server_dying_mid_overlap_loses_no_sample():
     for server in (dying, healthy):
         asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result()
     try:
-        client = RolloutClient([dying.url, healthy.url], ClientConfig(concurrency_per_server=1, retry_backoff_s=0.01))
+        client = RolloutClient([dying.url, healthy.url], RolloutConfig(concurrency=1, retry_backoff_s=0.01))
         rollout = overlapping(1, ClientBackend(client))
         first = rollout.generate(0)                         # 3 groups: server a answers 2 of them
         assert dying.answered == 2 and not dying.dead

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout.sglang.server import CPU_STUBS_DIR, ServerConfig, ServerStartError, SGLangServer, _group_alive
 
 
@@ -24,8 +25,8 @@ def fake_python(tmp_path, body: str) -> str:
 
 
 def test_command_and_cpu_environment(tmp_path):
-    config = ServerConfig(model_path=str(tmp_path), python=sys.executable, api_key="k", dtype="float32",
-                          log_dir=str(tmp_path))
+    config = ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(api_key="k"), device="cpu", dtype="float32",
+                          python=sys.executable, log_dir=str(tmp_path))
     server = SGLangServer(config, port=12345)
     cmd = server.command()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -34,7 +35,7 @@ def test_command_and_cpu_environment(tmp_path):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--disable-overlap-schedule" in cmd  # CPU default: nothing to overlap with
     cuda = SGLangServer(dataclasses.replace(config, device="cuda"), port=1).command()
-    forced = SGLangServer(dataclasses.replace(config, overlap_schedule=True), port=1).command()
+    forced = SGLangServer(dataclasses.replace(config, settings=RolloutConfig(overlap_schedule=True)), port=1).command()
     assert "--disable-overlap-schedule" not in cuda and "--disable-overlap-schedule" not in forced
     env = server.environment()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
@@ -42,9 +43,28 @@ def test_command_and_cpu_environment(tmp_path):
     assert (stubs / "sgl_kernel" / "__init__.py").is_file() and (stubs / "torchvision" / "__init__.py").is_file()
 
 
+def test_every_server_setting_comes_from_the_rollout_config(tmp_path):
+    def launched(device="cpu", **settings):
+        config = ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(**settings), device=device, dtype=None,
+                              python=sys.executable, log_dir=str(tmp_path), extra_args=("--extra",))
+        server = SGLangServer(config, port=1)
+        return server.command(), server.environment()
+    cmd, env = launched()
+    assert cmd[cmd.index("--max-running-requests") + 1] == str(RolloutConfig().concurrency)
+    assert "--sleep-on-idle" in cmd and env["MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION"] == "1"
+    cmd, env = launched(sleep_on_idle=False, cpu_batched_attention=False, concurrency=7, max_total_tokens=999,
+                        server_args=("--a", "1"))
+    assert "--sleep-on-idle" not in cmd and env["MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION"] == "0"
+    assert cmd[cmd.index("--max-running-requests") + 1] == "7" and cmd[cmd.index("--max-total-tokens") + 1] == "999"
+    assert cmd[-3:] == ["--a", "1", "--extra"]          # the config's server_args, then the launch's own
+    cuda, _ = launched(device="cuda")
+    assert "--max-total-tokens" not in cuda             # SGLang's own KV-cache size on CUDA
+
+
 def test_server_that_exits_reports_its_log_tail(tmp_path):
     python = fake_python(tmp_path, 'echo "RuntimeError: model is broken"; exit 3\n')
-    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                                       python=python, log_dir=str(tmp_path)))
     server.start()
     with pytest.raises(ServerStartError, match=r"exited with code 3(.|\n)*model is broken"):
         server.wait_ready(timeout_s=20)
@@ -55,7 +75,8 @@ def test_a_taken_port_fails_at_once_not_after_the_start_up_timeout(tmp_path):
     """SGLang's HTTP server logs the bind error and then hangs in its shutdown instead of exiting."""
     python = fake_python(tmp_path, 'echo "ERROR:    [Errno 98] error while attempting to bind on address '
                                    '(\'127.0.0.1\', 1): address already in use"\nexec sleep 300\n')
-    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                                       python=python, log_dir=str(tmp_path)))
     server.start()
     start = time.monotonic()
     with pytest.raises(ServerStartError, match=f"port {server.port} was taken"):
@@ -83,7 +104,8 @@ def test_server_ports_are_free_and_outside_the_ephemeral_range():
 def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
     # A launcher that ignores SIGTERM and leaves a child behind: stop() must still clean up both.
     python = fake_python(tmp_path, "trap '' TERM\nsleep 300 &\necho started\nwait\n")
-    server = SGLangServer(ServerConfig(model_path=str(tmp_path), python=python, log_dir=str(tmp_path)))
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                                       python=python, log_dir=str(tmp_path)))
     server.start()
     with pytest.raises(ServerStartError, match=r"not ready after 2 s(.|\n)*started"):
         server.wait_ready(timeout_s=2)
@@ -98,8 +120,9 @@ def test_server_never_ready_times_out_and_stop_kills_the_whole_group(tmp_path):
 LAUNCHER = """
 import sys, time
 from megatron_gspo.rollout.sglang.server import ServerConfig, SGLangServer
-server = SGLangServer(ServerConfig(model_path=sys.argv[1], python=sys.argv[2], log_dir=sys.argv[1],
-                                   die_with_parent=sys.argv[3] == "1")).start()
+from megatron_gspo.config import RolloutConfig
+server = SGLangServer(ServerConfig(model_path=sys.argv[1], settings=RolloutConfig(), device="cpu", dtype=None,
+                                   python=sys.argv[2], log_dir=sys.argv[1], die_with_parent=sys.argv[3] == "1")).start()
 print(server.process.pid, flush=True)
 time.sleep(300)
 """
@@ -127,7 +150,8 @@ def test_a_killed_launcher_takes_its_server_along(tmp_path, die_with_parent):
 
 def test_missing_sglang_python_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="setup_sglang.sh"):
-        ServerConfig(model_path=str(tmp_path), python=str(tmp_path / "nope"))
+        ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                     python=str(tmp_path / "nope"))
 
 
 def test_cpu_stub_assign_req_to_token_pool(monkeypatch):

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from fake_sglang_server import FakeSGLang, fake_routing
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, tiny_qwen3_config
 from megatron_gspo.rewards.pool import RewardPool, Score
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient, ServerResponseError
+from megatron_gspo.rollout.sglang.client import RolloutClient, ServerResponseError
 from megatron_gspo.rollout.jsonl import JsonlError, read_samples, write_samples
 from megatron_gspo.rollout.sglang.routed_experts import (RoutingSpec, bytes_per_token, decode_routed_experts,
                                                   encode_for_sglang_wire, routing_dtype)
@@ -159,7 +160,7 @@ PROMPTS = [Prompt(group_id=i, prompt_ids=[i + 1, 7, 9]) for i in range(3)]
 def rollout(fake_kwargs, routing):
     async def main():
         async with FakeSGLang(**fake_kwargs) as server:
-            client = RolloutClient([server.url], ClientConfig(routed_experts=routing, **FAST))
+            client = RolloutClient([server.url], RolloutConfig(**FAST), routed_experts=routing)
             groups, _ = await client.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=3))
             return groups, server.received
     return asyncio.run(main())
@@ -196,8 +197,8 @@ def test_routing_of_another_model_names_group_and_sample():
 
 def test_server_flag(tmp_path):
     def command(**kw):
-        return SGLangServer(ServerConfig(model_path=str(tmp_path), python=sys.executable, log_dir=str(tmp_path),
-                                         **kw), port=1).command()
+        return SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                                         python=sys.executable, log_dir=str(tmp_path), **kw), port=1).command()
     assert "--enable-return-routed-experts" in command(return_routed_experts=True)
     assert "--enable-return-routed-experts" not in command()
 

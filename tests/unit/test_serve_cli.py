@@ -41,7 +41,9 @@ SERVE = """
 import sys
 from megatron_gspo.rollout.sglang.serve import serve
 from megatron_gspo.rollout.sglang.server import ServerConfig
-sys.exit(serve(ServerConfig(model_path=sys.argv[1], python=sys.argv[2], log_dir=sys.argv[1]), int(sys.argv[3])))
+from megatron_gspo.config import RolloutConfig
+sys.exit(serve(ServerConfig(model_path=sys.argv[1], settings=RolloutConfig(), device="cpu", dtype=None, python=sys.argv[2],
+                            log_dir=sys.argv[1]), int(sys.argv[3])))
 """
 
 

@@ -9,7 +9,7 @@ TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
 def test_step_settings_follow_the_config():
-    config = load_config(TINY, ["gspo.algorithm=grpo", "gspo.temperature=0.7", "gspo.old_logprobs=rollout",
+    config = load_config(TINY, ["gspo.algorithm=grpo", "sampling.temperature=0.7", "gspo.old_logprobs=rollout",
                                 "parallel.max_tokens_per_microbatch=1024", "gspo.eps_high=0.3", "gspo.num_minibatches=4"])
     settings = step_settings(config, PRESETS["tiny_dense"])
     assert (settings.loss.algorithm, settings.loss.eps_low, settings.loss.eps_high) == ("grpo", 0.2, 0.3)

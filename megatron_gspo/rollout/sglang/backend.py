@@ -11,7 +11,6 @@ weights. gspo.routing_replay=rollout makes the servers return each training samp
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -19,7 +18,7 @@ import torch
 
 from megatron_gspo.config import SamplingConfig, TrainConfig
 from megatron_gspo.rollout.protocol import NamedTensors, OnGroup, RolloutStats
-from megatron_gspo.rollout.sglang.client import ClientConfig, RolloutClient
+from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec
 from megatron_gspo.rollout.sglang.server import ServerConfig, SGLangServer, start_servers, stop_all, wait_all_ready
 from megatron_gspo.rollout.sglang.weight_sync import WeightSync, open_weight_sync
@@ -47,15 +46,12 @@ class SGLangBackend:
                 wait_all_ready(servers)
                 self.urls = [s.url for s in servers]
                 print(f"SGLang ready at {self.urls} after {max(s.ready_after_s for s in servers):.0f} s", flush=True)
-            client = ClientConfig(concurrency_per_server=r.concurrency, request_timeout_s=r.request_timeout_s,
-                                  parallel_sampling=r.parallel_sampling, weight_spans=r.partial_rollout,
-                                  groups_per_request=r.groups_per_request)
-            self._eval_client = RolloutClient(self.urls, client)
-            self._client = (RolloutClient(self.urls, dataclasses.replace(client, routed_experts=routing))
-                            if routing is not None else self._eval_client)
+            self._eval_client = RolloutClient(self.urls, r)
+            self._client = (RolloutClient(self.urls, r, routed_experts=routing) if routing is not None
+                            else self._eval_client)
             self._weights: WeightSync = open_weight_sync(r.weight_sync, self.urls,
                                                          folder=Path(config.logging.run_dir) / "weights",
-                                                         config_dir=config.model.hf_path,
+                                                         config_dir=config.model.hf_path, api_key=r.api_key,
                                                          pause_generation=r.partial_rollout)
             self._stack.callback(self._weights.close)
         except BaseException:
@@ -91,8 +87,7 @@ def start_sglang(config: TrainConfig) -> list[SGLangServer]:
     r = config.rollout
     print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
     return start_servers(ServerConfig(
-        model_path=config.model.hf_path, dtype=config.model.dtype, weight_version="0",
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        max_running_requests=r.concurrency, return_routed_experts=config.gspo.routing_replay == "rollout",
-        log_dir=str(Path(config.logging.run_dir) / "sglang_logs"), extra_args=r.server_args), r.num_servers)
+        model_path=config.model.hf_path, settings=r, device="cuda" if torch.cuda.is_available() else "cpu",
+        dtype=config.model.dtype, weight_version="0", return_routed_experts=config.gspo.routing_replay == "rollout",
+        log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers)
 

@@ -4,12 +4,12 @@ One `/generate` request per prompt with `n = G`, or per `groups_per_request` pro
 form; the request is the unit of work and of retry: its groups are either returned whole by one server
 or sent again, so a group never mixes samples of two attempts and no sample is lost or duplicated).
 Requests are spread round-robin over the live servers, at most
-`concurrency_per_server` in flight on each. A request that fails in transit (connection refused or
+`rollout.concurrency` in flight on each. A request that fails in transit (connection refused or
 reset, timeout, HTTP 5xx, an aborted sample) is retried on another server; a server that fails
-`max_server_failures` times in a row is retired for the rest of the call. Errors that a retry cannot
+`rollout.max_server_failures` times in a row is retired for the rest of the call. Errors that a retry cannot
 fix (HTTP 4xx such as a wrong API key, a malformed response, a null log-prob) stop the rollout.
 
-With `ClientConfig.routed_experts` set (gspo.routing_replay=rollout) every request also asks for the
+With `routed_experts` given (gspo.routing_replay=rollout) every request also asks for the
 MoE routing SGLang used, and each Sample carries it (`Sample.routed_experts`, rollout/sglang/routed_experts.py).
 
 The client speaks HTTP only (httpx); it runs in the trainer's environment, not SGLang's.
@@ -21,13 +21,12 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import httpx
 
 from megatron_gspo import profiling
-from megatron_gspo.config import SamplingConfig
+from megatron_gspo.config import RolloutConfig, SamplingConfig
 from megatron_gspo.net import auth_headers, tls_context
 from megatron_gspo.rollout.protocol import RolloutStats
 from megatron_gspo.rollout.sglang.routed_experts import META_KEY, RoutingSpec, decode_routed_experts
@@ -44,59 +43,6 @@ def sglang_sampling_params(sampling: SamplingConfig, n: int) -> dict:
     if sampling.stop:
         params["stop"] = list(sampling.stop)
     return params
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Concurrency, timeouts and retries of the rollout client."""
-
-    concurrency_per_server: int = 8
-    """Requests (of groups_per_request groups of G sequences) in flight per server."""
-    groups_per_request: int = 1
-    """Groups sent together in one /generate request (SGLang's batch form: a list of prompts). 1: each group
-    on its own, scored the moment it finishes and retried alone. More: fewer requests for SGLang's HTTP
-    front end and tokenizer manager to handle (their per-request cost dominates short responses: the
-    demo's 16 groups x 16 samples of 4 tokens in one request took 0.83x the time of 16 requests), but a
-    request's groups are scored only when all of them are done, and retried together."""
-    request_timeout_s: float = 600.0
-    """Longest wait for one `/generate` answer (n = G full responses): a stalled server fails it."""
-    connect_timeout_s: float = 10.0
-    """Longest wait to open a connection."""
-    max_attempts: int = 4
-    """Tries per group over all servers before the rollout fails."""
-    max_server_failures: int = 2
-    """Consecutive failed requests after which a server is retired for the rest of the call."""
-    retry_backoff_s: float = 0.2
-    """Pause before a failed group is sent again (doubles per attempt)."""
-    api_key: str | None = None
-    """Sent as `Authorization: Bearer ...` when set."""
-    parallel_sampling: Literal["n", "copies"] = "n"
-    """How a group's G samples are asked for, still one request per group. "n": the prompt once with
-    sampling_params.n = G (SGLang prefills it in a warm-up round trip to its scheduler, then forks G
-    samples from the cached prefix: tokenizer_manager.py:_handle_batch_request). "copies": the prompt G
-    times with n = 1 (SGLang hands the G copies to its scheduler in one message, no warm-up; each copy
-    prefills its prompt unless the radix cache shares it). Copies win where prompts are short or the
-    radix cache is off (the CPU demo: rollout 0.84x the time); n where long prompts share a prefill."""
-    routed_experts: RoutingSpec | None = None
-    """The served MoE model's routing layout (`RoutingSpec.from_hf_config(hf_dir)`): ask every request
-    for its routed experts (`return_routed_experts`) and fill `Sample.routed_experts`, checked against
-    this layout. The servers must run with `--enable-return-routed-experts` (ServerConfig.
-    return_routed_experts). None: routing is not asked for."""
-
-    weight_spans: bool = False
-    """Require every answer's per-token weight versions (SGLang's `meta_info.weight_versions`, spans of
-    output tokens by the weights that generated them) and fail if they are missing: rollout.partial_rollout
-    pushes weights into requests in flight, and the spans say which tokens are stale
-    (`Sample.stale_prefix`). Where an answer has them they are read either way."""
-
-    def __post_init__(self):
-        if self.parallel_sampling not in ("n", "copies"):
-            raise ValueError(f"parallel_sampling must be 'n' or 'copies', got {self.parallel_sampling!r}")
-        if min(self.concurrency_per_server, self.max_attempts, self.max_server_failures, self.groups_per_request) < 1:
-            raise ValueError("concurrency_per_server, max_attempts, max_server_failures and groups_per_request "
-                             "must be >= 1")
-        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
 
 
 class RolloutError(RuntimeError):
@@ -122,13 +68,18 @@ class _Server:
 class RolloutClient:
     """`await client.generate(prompts, n=G, sampling=...)` -> one list of G Samples per prompt, in order."""
 
-    def __init__(self, urls: Sequence[str], config: ClientConfig = ClientConfig()):
+    def __init__(self, urls: Sequence[str], settings: RolloutConfig, *, routed_experts: RoutingSpec | None = None):
+        """`settings`: concurrency (per server), groups_per_request, parallel_sampling, timeouts, retries and
+        the API key (config.py documents each); with rollout.partial_rollout every answer must carry SGLang's
+        per-token weight versions (`stale_prefix`). `routed_experts`: the served MoE model's routing layout
+        (`RoutingSpec.from_hf_config(hf_dir)`): every request asks for its routed experts and each Sample
+        carries them, checked against this layout (the servers run with --enable-return-routed-experts)."""
         if not urls:
             raise ValueError("no server URLs given")
         if len(set(urls)) != len(urls):
             raise ValueError(f"duplicate server URLs: {list(urls)}")
         self.urls = [u.rstrip("/") for u in urls]
-        self.config = config
+        self.settings, self.routed_experts = settings, routed_experts
         self._kept: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         """Per event loop, the HTTP client `keep_connections` opened (its connections outlive a call)."""
 
@@ -147,9 +98,9 @@ class RolloutClient:
             await http.aclose()
 
     def _new_http(self) -> httpx.AsyncClient:
-        cfg = self.config
+        cfg = self.settings
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
-        connections = cfg.concurrency_per_server * len(self.urls)
+        connections = cfg.concurrency * len(self.urls)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         return httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key), verify=tls_context())
 
@@ -167,8 +118,8 @@ class RolloutClient:
         ids = [p.group_id for p in prompts]
         if len(set(ids)) != len(ids):
             raise ValueError("group_id must be unique per prompt")
-        cfg = self.config
-        servers = [_Server(u, cfg.concurrency_per_server) for u in self.urls]
+        cfg = self.settings
+        servers = [_Server(u, cfg.concurrency) for u in self.urls]
         stats = RolloutStats(requests_ok={s.url: 0 for s in servers})
         round_robin = itertools.cycle(range(len(servers)))
         start = time.monotonic()
@@ -230,14 +181,14 @@ class RolloutClient:
     async def _request(self, http: httpx.AsyncClient, url: str, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingConfig, intervals: list | None = None) -> list[list[Sample]]:
         """One /generate request for the groups of `prompts`: n samples each, in order."""
-        if self.config.parallel_sampling == "copies":
+        if self.settings.parallel_sampling == "copies":
             input_ids = [list(p.prompt_ids) for p in prompts for _ in range(n)]
             params = sglang_sampling_params(sampling, 1)
         else:  # a single prompt as a flat list: SGLang then answers one item per sample, as for a batch of one
             input_ids = [list(p.prompt_ids) for p in prompts] if len(prompts) > 1 else list(prompts[0].prompt_ids)
             params = sglang_sampling_params(sampling, n)
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
-        routing = self.config.routed_experts
+        routing = self.routed_experts
         if routing is not None:
             payload["return_routed_experts"] = True  # one flag for all n samples (io_struct.py:1001)
         try:
@@ -263,7 +214,7 @@ class RolloutClient:
                 raise ServerResponseError(f"server {url}: expected {n * len(prompts)} samples for {len(prompts)} "
                                           f"groups, got {got}")
             groups = [parse_generate_response(items[i * n:(i + 1) * n] if len(prompts) > 1 else body, p, n, url,
-                                              routing=routing, weight_spans=self.config.weight_spans)
+                                              routing=routing, weight_spans=self.settings.partial_rollout)
                       for i, p in enumerate(prompts)]
         if intervals is not None:
             intervals.extend(_server_interval(item) for item in (body if isinstance(body, list) else [body]))

@@ -25,8 +25,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.net import auth_headers, server_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -68,49 +69,34 @@ class ServerStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How to launch one SGLang server (`python -m sglang.launch_server`)."""
+    """How to launch one SGLang server (`python -m sglang.launch_server`): the run's rollout settings (every
+    server setting a user may change is a `rollout.*` key, config.py) and what the launch itself decides."""
 
     model_path: str
     """Hugging Face model directory."""
+    settings: RolloutConfig
+    """concurrency (`--max-running-requests`), max_total_tokens, sleep_on_idle, overlap_schedule,
+    cpu_batched_attention, server_args, server_startup_timeout_s and api_key of the run."""
+    device: Literal["cpu", "cuda"]
+    """"cpu" (import stand-ins + SGLANG_USE_CPU_ENGINE=1) or "cuda"."""
+    dtype: str | None
+    """Weights/activations dtype (`--dtype`, model.dtype); None: SGLang's "auto" (float32 checkpoints run
+    in float16)."""
     python: str = field(default_factory=default_sglang_python)
     """Interpreter of the environment that has SGLang installed."""
-    device: str = "cpu"
-    """"cpu" (import stand-ins + SGLANG_USE_CPU_ENGINE=1) or "cuda"."""
     host: str = "127.0.0.1"
     """Address the HTTP server binds to (and the URL the client uses)."""
-    api_key: str | None = None
-    """If set, the server rejects requests without `Authorization: Bearer <api_key>`."""
-    max_total_tokens: int | None = 16384
-    """KV-cache size in tokens. Needed on CPU: without it the pool takes ~70% of RAM."""
-    max_running_requests: int | None = 64
-    """Concurrent sequences the scheduler runs."""
-    dtype: str | None = None
-    """Weights/activations dtype (`--dtype`); None: SGLang's "auto" (float32 checkpoints run in float16)."""
     weight_version: str | None = None
     """Initial weight version the server reports (`--weight-version`)."""
-    sleep_on_idle: bool = True
-    """`--sleep-on-idle`: with nothing to do, the scheduler waits on its request sockets instead of
-    polling them in a busy loop. Without it an idle CPU server keeps a core at 50-100% (measured: two
-    idle servers took ~1.5 of this machine's 2 cores), which the trainer needs between rollouts."""
-    overlap_schedule: bool | None = None
-    """SGLang's overlap scheduler (CPU-side batch preparation overlapped with the previous batch's
-    forward); None: on with CUDA, off on CPU (`--disable-overlap-schedule`), where there is no device to
-    overlap with: measured on the demo (benchmarks/step.py, 2 interleaved repeats) rollout 0.85x, step 0.93x."""
-    batched_attention: bool = True
-    """CPU only: the server runs SGLang's torch_native attention as one batched SDPA per layer instead of
-    one per request (a plugin on the CPU PYTHONPATH, platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py):
-    the demo's rollout call (16 prompts x 16) 0.6x the time. False: SGLang's own per-request loop."""
     return_routed_experts: bool = False
     """`--enable-return-routed-experts` (SGLang arg_groups/fields/exec_.py:158): record every token's MoE
-    routing so requests can ask for it (gspo.routing_replay=rollout, ClientConfig.routed_experts). MoE
-    models only; it costs a pinned host buffer of 4 * L * k bytes per KV-cache token
-    (state_capturer/base.py:68-72, sized by the KV pool: model_executor/model_runner.py:1233)."""
-    extra_args: tuple[str, ...] = ()
-    """Further `launch_server` arguments, verbatim."""
-    startup_timeout_s: float = 300.0
-    """How long to wait for /health_generate before giving up."""
+    routing so requests can ask for it (gspo.routing_replay=rollout). MoE models only; it costs a pinned host
+    buffer of 4 * L * k bytes per KV-cache token (state_capturer/base.py:68-72, sized by the KV pool:
+    model_executor/model_runner.py:1233)."""
     log_dir: str | None = None
     """Where server logs go (one file per server); None: a fresh temporary folder."""
+    extra_args: tuple[str, ...] = ()
+    """`launch_server` arguments after the run's rollout.server_args (e.g. `megatron-gspo serve --sglang-args`)."""
     die_with_parent: bool = True
     """Linux: SIGKILL the server when the thread that started it exits (start it from a thread that
     lives as long as the server, e.g. the main thread). False: the server outlives its launcher."""
@@ -121,6 +107,17 @@ class ServerConfig:
         if not Path(self.model_path).is_dir():
             raise ValueError(f"model_path {self.model_path!r} is not a directory")
         check_sglang_python(self.python)
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """rollout.max_total_tokens; unset: 16384 on CPU (SGLang's own would take ~70% of RAM), SGLang's own on CUDA."""
+        if self.settings.max_total_tokens is not None:
+            return self.settings.max_total_tokens
+        return CPU_MAX_TOTAL_TOKENS if self.device == "cpu" else None
+
+
+CPU_MAX_TOTAL_TOKENS = 16384
+"""A CPU server's KV-cache tokens when rollout.max_total_tokens is unset."""
 
 
 PORT_TAKEN = "address already in use"
@@ -143,21 +140,21 @@ class SGLangServer:
         self._started_at = 0.0
 
     def command(self) -> list[str]:
-        c = self.config
+        c, r = self.config, self.config.settings
         cmd = [c.python, "-m", "sglang.launch_server", "--model-path", c.model_path, "--host", c.host,
                "--port", str(self.port), "--device", c.device]
-        optional = {"--max-total-tokens": c.max_total_tokens, "--max-running-requests": c.max_running_requests,
-                    "--dtype": c.dtype, "--api-key": c.api_key, "--weight-version": c.weight_version}
+        optional = {"--max-total-tokens": c.max_total_tokens, "--max-running-requests": r.concurrency,
+                    "--dtype": c.dtype, "--api-key": r.api_key, "--weight-version": c.weight_version}
         for flag, value in optional.items():
             if value is not None:
                 cmd += [flag, str(value)]
-        if c.sleep_on_idle:
+        if r.sleep_on_idle:
             cmd.append("--sleep-on-idle")
         if c.return_routed_experts:
             cmd.append("--enable-return-routed-experts")
-        if not (c.device == "cuda" if c.overlap_schedule is None else c.overlap_schedule):
+        if not (c.device == "cuda" if r.overlap_schedule is None else r.overlap_schedule):
             cmd.append("--disable-overlap-schedule")
-        return cmd + list(c.extra_args)
+        return cmd + list(r.server_args) + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
         # Launched from a torchrun rank, the server would inherit RANK/WORLD_SIZE/MASTER_PORT and
@@ -168,7 +165,7 @@ class SGLangServer:
             # the CPU engine.
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STUBS_DIR), env.get("PYTHONPATH")) if p)
-            env[BATCHED_ATTENTION_ENV] = "1" if self.config.batched_attention else "0"
+            env[BATCHED_ATTENTION_ENV] = "1" if self.config.settings.cpu_batched_attention else "0"
         elif self.gpu_id is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu_id)
         return env
@@ -196,13 +193,13 @@ class SGLangServer:
         """Poll /health_generate (a real one-token generation) until it answers 200; seconds since start."""
         if self.process is None:
             raise RuntimeError("start() the server first")
-        deadline = self._started_at + (timeout_s or self.config.startup_timeout_s)
+        deadline = self._started_at + (timeout_s or self.config.settings.server_startup_timeout_s)
         while True:
             code = self.process.poll()
             if code is not None:
                 raise ServerStartError(f"SGLang server {self.url} exited with code {code} during start-up; "
                                        f"log {self.log_path}, last lines:\n{self.log_tail()}")
-            if health_generate(self.url, self.config.api_key, timeout_s=10):
+            if health_generate(self.url, self.config.settings.api_key, timeout_s=10):
                 self.ready_after_s = time.monotonic() - self._started_at
                 return self.ready_after_s
             if PORT_TAKEN in self.log_tail():  # SGLang then hangs in its shutdown instead of exiting
@@ -210,7 +207,7 @@ class SGLangServer:
                                        f"bound it ({PORT_TAKEN}); log {self.log_path}, last lines:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise ServerStartError(f"SGLang server {self.url} not ready after "
-                                       f"{timeout_s or self.config.startup_timeout_s:.0f} s; "
+                                       f"{timeout_s or self.config.settings.server_startup_timeout_s:.0f} s; "
                                        f"log {self.log_path}, last lines:\n{self.log_tail()}")
             time.sleep(1.0)
 

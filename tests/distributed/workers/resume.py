@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.convert.load import load_weights
-from megatron_gspo.config import ParallelConfig
+from megatron_gspo.config import GSPOConfig, ParallelConfig
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
@@ -68,7 +68,7 @@ def setup(layout, pgs, seed):
 
 
 def train(model, optimizer, scheduler, data, steps, settings):
-    source = old_logprobs_source("recompute", "auto", "old" if MOE_REPLAY else "off", MoERouting.attach(model))
+    source = old_logprobs_source(GSPOConfig(routing_replay="old" if MOE_REPLAY else "off"), MoERouting.attach(model))
     for _ in range(steps):
         records = train_on_batch(model, optimizer, data.next_batch(), settings, source, pgs=model_process_groups(model),
                                  scheduler=scheduler)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megatron_gspo.config import SamplingConfig
+from megatron_gspo.config import GSPOConfig, SamplingConfig
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE
 from megatron_gspo.model.routing import MoERouting
@@ -92,7 +92,7 @@ def main() -> None:
             plans = [pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]
             assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
     records = train_on_batch(model, optimizer, responses, settings,
-                             old_logprobs_source("recompute", "auto", "rollout", routing), pgs=pgs)
+                             old_logprobs_source(GSPOConfig(routing_replay="rollout"), routing), pgs=pgs)
     with check("unchanged weights: the trainer routes like the sampler and its log-probs match"):
         for r in records:
             assert r["moe/routing_rollout_changed_fraction"] == 0.0, r

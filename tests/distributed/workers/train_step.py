@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.config import GSPOConfig
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
@@ -164,7 +165,7 @@ def fused_recompute(layout, pgs, preset, loss, responses):
     runs = {}
     for mode in ("fused", "per_minibatch"):
         model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
-        source = old_logprobs_source("recompute", mode, "off", routing=None)
+        source = old_logprobs_source(GSPOConfig(recompute=mode), routing=None)
         runs[mode] = train_on_batch(model, optimizer, with_rollout, steps(loss, 4, 48), source, pgs=pgs,
                                     scheduler=scheduler)
     for k, (a, b) in enumerate(zip(runs["fused"], runs["per_minibatch"])):

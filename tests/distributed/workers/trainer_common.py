@@ -16,9 +16,9 @@ from megatron_gspo.training.setup import build_policy
 
 SHAPE = TINY_DENSE
 
-RECOMPUTE = old_logprobs_source("recompute", "auto", "off", routing=None)
+RECOMPUTE = old_logprobs_source(GSPOConfig(old_logprobs="recompute"), routing=None)
 """pi_old recomputed (fused) for a model whose routing is not tracked."""
-FROM_ROLLOUT = old_logprobs_source("rollout", "auto", "off", routing=None)
+FROM_ROLLOUT = old_logprobs_source(GSPOConfig(old_logprobs="rollout"), routing=None)
 """pi_old = the responses' rollout log-probs."""
 
 
