@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
+from megatron_gspo.model.gpt import check_layout
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.rewards.verifiers import load_reward_fn
 from megatron_gspo.rollout.megatron_backend import check_sampling
@@ -47,8 +48,8 @@ def _writable(path: str, name: str) -> None:
 
 def preflight(config: TrainConfig) -> Prepared:
     """Raise ValueError naming the setting when a path the run needs is missing or not writable, a
-    named preset or reward function does not exist, or a dataset is bad (data.DataError); else the
-    opened datasets."""
+    named preset or reward function does not exist, the parallel layout cannot split the model
+    (model.gpt.check_layout), or a dataset is bad (data.DataError); else the opened datasets."""
     model = config.model
     if model.preset is not None and model.preset not in PRESETS:
         raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
@@ -61,8 +62,13 @@ def preflight(config: TrainConfig) -> Prepared:
                          f"(model.preset={model.preset!r} gives a model shape only)")
     if not (Path(model.hf_path) / "config.json").is_file():
         raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
+    shape = shape_of(model.preset, model.hf_path)
+    try:
+        check_layout(shape, config.parallel)
+    except ValueError as e:
+        raise ValueError(f"the parallel layout does not fit the model ({model.preset or model.hf_path}): {e}") from None
     if config.gspo.routing_replay != "off":
-        if not shape_of(model.preset, model.hf_path).is_moe:
+        if not shape.is_moe:
             raise ValueError(f"gspo.routing_replay={config.gspo.routing_replay}: the model is dense "
                              f"({model.preset or model.hf_path} has no MoE routers); use off")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():

@@ -51,16 +51,14 @@ def test_missing_model(tmp_path):
 
 
 def test_missing_init_checkpoint(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    fake_hf_dir(tmp_path / "hf")
     with pytest.raises(ValueError, match="model.init_checkpoint: no Megatron distributed checkpoint"):
         preflight(config(tmp_path, f"model.init_checkpoint={tmp_path / 'nope'}"))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
 def test_unwritable_checkpoint_dir(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    fake_hf_dir(tmp_path / "hf")
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(ValueError, match="checkpoint.dir: cannot write to"):
@@ -69,16 +67,14 @@ def test_unwritable_checkpoint_dir(tmp_path):
 
 def test_checkpoint_dir_under_a_file(tmp_path):
     # Works as root too: a path below a regular file cannot be created.
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    fake_hf_dir(tmp_path / "hf")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="checkpoint.dir: cannot write to"):
         preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}"))
 
 
 def test_export_under_a_file(tmp_path):
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    fake_hf_dir(tmp_path / "hf")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="checkpoint.export_hf: cannot write to"):
         preflight(config(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -116,3 +112,32 @@ def test_run_dir_with_glob_characters_is_refused_for_disk_sync(tmp_path):
     with pytest.raises(ValueError, match=r"logging.run_dir.*glob character"):
         preflight(load_config(None, [*overrides, f"logging.run_dir={tmp_path / 'run[1]'}"]))
     preflight(load_config(None, [*overrides, f"logging.run_dir={tmp_path / 'run[1]'}", "rollout.weight_sync=broadcast"]))
+
+
+@pytest.mark.parametrize("layout, message", [
+    # fake_hf_dir's tiny Qwen3: 4 attention heads, 2 KV heads, intermediate_size 128, 2 layers
+    (["parallel.tp=3"], r"parallel.tp=3 must divide num_attention_heads=4; parallel.tp=3 must divide "
+                        r"num_key_value_heads=2 \(on CPU\); parallel.tp=3 must divide intermediate_size=128$"),
+    (["parallel.tp=4"], r"parallel.tp=4 must divide num_key_value_heads=2 \(on CPU\)$"),
+    (["parallel.pp=4"], r"parallel.pp=4 must divide num_hidden_layers=2$"),
+    (["parallel.pp=2", "parallel.vpp=2"], r"parallel.vpp=2 must divide the 1 layers of each of the pp=2 stages"),
+    (["parallel.ep=2", "parallel.dp=2"], r"parallel.ep=2 needs an MoE model \(this one is dense\)"),
+])
+def test_layout_that_cannot_split_the_model_names_keys_and_values(tmp_path, layout, message):
+    fake_hf_dir(tmp_path / "hf")
+    with pytest.raises(ValueError, match=rf"the parallel layout does not fit the model \({tmp_path / 'hf'}\): {message}"):
+        preflight(config(tmp_path, *layout))
+
+
+def test_layout_is_checked_against_the_hf_config_and_moe_experts(tmp_path):
+    fake_hf_dir(tmp_path / "hf")
+    moe = make_config("moe")  # 4 experts, moe_intermediate_size 48, 4 layers
+    moe.architectures = ["Qwen3MoeForCausalLM"]
+    moe.save_pretrained(tmp_path / "hf")
+    hf = str(tmp_path / "hf")
+    with pytest.raises(ValueError, match=rf"does not fit the model \({hf}\): parallel.ep=8 must divide num_experts=4$"):
+        preflight(config(tmp_path, "parallel.ep=8", "parallel.dp=8"))
+    with pytest.raises(ValueError, match=r"the expert tensor parallel size 5 \(parallel.etp=5, parallel.tp=1\) must "
+                                         r"divide moe_intermediate_size=48"):
+        preflight(config(tmp_path, "parallel.etp=5", "parallel.dp=5"))
+    preflight(config(tmp_path, "parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"))  # fits
