@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_gspo.data.errors import DataError
+from megatron_gspo.paths import relative_path_note
 
 _MISSING = object()
 _JSON_SUFFIXES = (".jsonl", ".json")
@@ -23,7 +24,7 @@ def read_rows(path: str | Path) -> list[dict]:
     """All rows of one prompt file or save_to_disk directory, in file order; DataError if unreadable or empty."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{p}: no such file or directory")
+        raise DataError(f"{p}: no such file or directory{relative_path_note(p)}")
     try:
         if p.is_dir():
             rows = _read_saved_dataset(p)

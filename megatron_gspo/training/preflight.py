@@ -18,6 +18,7 @@ from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.gpt import check_layout
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.paths import relative_path_note
 from megatron_gspo.rewards.verifiers import load_reward_fn
 from megatron_gspo.rollout.megatron_backend import check_sampling
 from megatron_gspo.rollout.server import check_sglang_python, default_sglang_python
@@ -61,7 +62,8 @@ def preflight(config: TrainConfig) -> Prepared:
         raise ValueError("model.hf_path is required to train: the prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")
     if not (Path(model.hf_path) / "config.json").is_file():
-        raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
+        raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)"
+                         f"{relative_path_note(model.hf_path)}")
     shape = shape_of(model.preset, model.hf_path)
     try:
         check_layout(shape, config.parallel)
@@ -73,7 +75,7 @@ def preflight(config: TrainConfig) -> Prepared:
                              f"({model.preset or model.hf_path} has no MoE routers); use off")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
         raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "
-                         f"{model.init_checkpoint!r} (metadata.json not found)")
+                         f"{model.init_checkpoint!r} (metadata.json not found){relative_path_note(model.init_checkpoint)}")
     if config.checkpoint.dir is not None:
         _writable(config.checkpoint.dir, "checkpoint.dir")
     _writable(config.logging.run_dir, "logging.run_dir")

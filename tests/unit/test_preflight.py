@@ -141,3 +141,23 @@ def test_layout_is_checked_against_the_hf_config_and_moe_experts(tmp_path):
                                          r"divide moe_intermediate_size=48"):
         preflight(config(tmp_path, "parallel.etp=5", "parallel.dp=5"))
     preflight(config(tmp_path, "parallel.tp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"))  # fits
+
+
+def test_a_missing_relative_path_says_it_was_looked_for_in_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fake_hf_dir(tmp_path / "hf")
+    note = rf"; relative paths are resolved against the working directory, {tmp_path}$"
+    with pytest.raises(ValueError, match=r"model.hf_path: no Hugging Face model at 'models/hf' \(config.json not "
+                                         r"found\)" + note):
+        preflight(config(tmp_path, "model.hf_path=models/hf"))
+    with pytest.raises(ValueError, match=r"model.init_checkpoint: no Megatron distributed checkpoint at 'ckpt/init' "
+                                         r"\(metadata.json not found\)" + note):
+        preflight(config(tmp_path, "model.init_checkpoint=ckpt/init"))
+    with pytest.raises(DataError, match=r"eval.datasets.more: data/more.jsonl: no such file or directory" + note):
+        preflight(config(tmp_path, "eval.datasets.more=data/more.jsonl"))
+    # absolute paths, and relative ones that exist (here: hf without config.json), get no note
+    with pytest.raises(DataError, match=rf"{tmp_path / 'more.jsonl'}: no such file or directory$"):
+        preflight(config(tmp_path, f"eval.datasets.more={tmp_path / 'more.jsonl'}"))
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"no Hugging Face model at 'hf' \(config.json not found\)$"):
+        preflight(config(tmp_path, "model.hf_path=hf"))
