@@ -74,8 +74,8 @@ def preflight(config: TrainConfig) -> Prepared:
             raise ValueError(f"gspo.routing_replay={config.gspo.routing_replay}: the model is dense "
                              f"({model.preset or model.hf_path} has no MoE routers); use off")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
-        raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "
-                         f"{model.init_checkpoint!r} (metadata.json not found){relative_path_note(model.init_checkpoint)}")
+        raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at {model.init_checkpoint!r} "
+                         f"(metadata.json not found){relative_path_note(model.init_checkpoint)}")
     if config.checkpoint.dir is not None:
         _writable(config.checkpoint.dir, "checkpoint.dir")
     _writable(config.logging.run_dir, "logging.run_dir")

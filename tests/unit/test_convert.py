@@ -222,7 +222,8 @@ def test_damaged_torch_dist_checkpoint_names_the_file(hf, tmp_path, damage):
     size = data.stat().st_size
     if damage == "truncated":  # torch: "PytorchStreamReader failed reading zip archive", naming no file
         os.truncate(data, size - 100)
-        message = rf"{data}: truncated torch_dist data file \({size - 100} bytes, but .metadata has records up to byte {size}\)"
+        message = (rf"{data}: truncated torch_dist data file \({size - 100} bytes, but .metadata has records up to "
+                   rf"byte {size}\)")
     elif damage == "cut_to_its_header":
         os.truncate(data, 100)
         message = rf"{data}: truncated torch_dist data file \(100 bytes"

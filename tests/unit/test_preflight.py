@@ -125,7 +125,8 @@ def test_run_dir_with_glob_characters_is_refused_for_disk_sync(tmp_path):
 ])
 def test_layout_that_cannot_split_the_model_names_keys_and_values(tmp_path, layout, message):
     fake_hf_dir(tmp_path / "hf")
-    with pytest.raises(ValueError, match=rf"the parallel layout does not fit the model \({tmp_path / 'hf'}\): {message}"):
+    fits = rf"the parallel layout does not fit the model \({tmp_path / 'hf'}\): "
+    with pytest.raises(ValueError, match=fits + message):
         preflight(config(tmp_path, *layout))
 
 
