@@ -127,7 +127,7 @@ def _train_parser(sub) -> None:
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
     from megatron_gspo.net import free_port
-    from megatron_gspo.training.preflight import preflight
+    from megatron_gspo.training.preflight import nothing_to_do, preflight
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
     world = config.parallel.world_size
@@ -144,6 +144,10 @@ def run_train(args) -> int:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
     if args.nnodes > 1 and args.master_port is None:
         raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
+    done = nothing_to_do(config)
+    if done:
+        print(f"megatron-gspo train: {done}")
+        return 0
     preflight(config)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world // args.nnodes),
            "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,

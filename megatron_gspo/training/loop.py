@@ -46,7 +46,7 @@ from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, namespaced, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
-from megatron_gspo.training.preflight import Prepared, preflight
+from megatron_gspo.training.preflight import Prepared, nothing_to_do, preflight
 from megatron_gspo.training.setup import Policy, build_policy, step_settings
 from megatron_gspo.training.step import train_on_batch
 
@@ -311,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: torchrun --nproc-per-node N -m megatron_gspo.training.loop CONFIG [key=value ...]",
               file=sys.stderr)
         return 2
-    train(load_config(argv[0], argv[1:]))
+    config = load_config(argv[0], argv[1:])
+    done = nothing_to_do(config)  # (`megatron-gspo train` says so before it starts torchrun)
+    if done:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(done, flush=True)
+        return 0
+    train(config)
     dist.destroy_process_group()
     return 0
 

@@ -24,6 +24,7 @@ from megatron_gspo.rollout.megatron_backend import check_sampling
 from megatron_gspo.rollout.server import check_sglang_python, default_sglang_python
 from megatron_gspo.samples import Prompt
 from megatron_gspo.sync.sglang import check_disk_sync_folder
+from megatron_gspo.training.checkpoint import find_latest
 
 
 @dataclass
@@ -99,6 +100,20 @@ def preflight(config: TrainConfig) -> Prepared:
     except ValueError as e:
         raise ValueError(f"reward.fn: {e}") from None
     return open_datasets(config)
+
+
+def nothing_to_do(config: TrainConfig) -> str | None:
+    """What to tell the user when the run would resume at or past num_steps (the latest checkpoint of
+    checkpoint.dir, training/checkpoint.py find_latest), before anything starts; else None. A final export
+    (checkpoint.export_hf) not yet written is still to do."""
+    c = config.checkpoint
+    if not (c.dir and c.resume) or (c.export_hf is not None and not Path(c.export_hf).exists()):
+        return None
+    step = find_latest(c.dir)
+    if step is None or step < config.num_steps:
+        return None
+    return (f"nothing to do: the latest checkpoint in checkpoint.dir={c.dir} is at step {step} and "
+            f"num_steps={config.num_steps} (raise num_steps to train on)")
 
 
 def open_datasets(config: TrainConfig) -> Prepared:

@@ -1,6 +1,7 @@
 """Missing model paths and unwritable directories fail before work starts, naming the setting."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +9,8 @@ from megatron_gspo.config import load_config
 from megatron_gspo.data import DataError, write_arithmetic_data
 from megatron_gspo.training.preflight import preflight
 from tests.tiny_hf import fake_hf_dir, make_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path, *overrides):
@@ -162,3 +165,32 @@ def test_a_missing_relative_path_says_it_was_looked_for_in_the_working_directory
     (tmp_path / "hf" / "config.json").unlink()
     with pytest.raises(ValueError, match=r"no Hugging Face model at 'hf' \(config.json not found\)$"):
         preflight(config(tmp_path, "model.hf_path=hf"))
+
+
+def test_resuming_at_or_past_num_steps_says_there_is_nothing_to_do_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    from megatron_gspo import cli
+    from megatron_gspo.training import preflight as preflight_module
+
+    fake_hf_dir(tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000005").mkdir(parents=True)  # a complete checkpoint of step 5, the latest
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
+    (ckpt / "iter_0000009.tmp").mkdir()  # an unfinished save: not a checkpoint
+    base = config(tmp_path)
+    args = ["train", str(REPO / "examples/tiny_cpu.yaml"), f"model.hf_path={tmp_path / 'hf'}",
+            f"logging.run_dir={tmp_path / 'run'}", f"data.train={base.data.train[0]}", f"checkpoint.dir={ckpt}"]
+
+    def started(*_):
+        raise AssertionError("nothing may start")
+    monkeypatch.setattr(preflight_module, "open_datasets", started)  # preflight's last, slowest part
+    monkeypatch.setattr(os, "execve", started)
+    assert cli.main([*args, "num_steps=5"]) == 0
+    assert capsys.readouterr().out == (f"megatron-gspo train: nothing to do: the latest checkpoint in checkpoint.dir="
+                                       f"{ckpt} is at step 5 and num_steps=5 (raise num_steps to train on)\n")
+    assert cli.main([*args, "num_steps=3"]) == 0
+    assert "is at step 5 and num_steps=3" in capsys.readouterr().out
+    # still something to do: more steps, no resume, or the final export not yet written
+    for more in (["num_steps=6"], ["num_steps=5", "checkpoint.resume=false"],
+                 ["num_steps=5", f"checkpoint.export_hf={tmp_path / 'final'}"]):
+        with pytest.raises(AssertionError, match="nothing may start"):
+            cli.main([*args, *more])
