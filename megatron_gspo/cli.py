@@ -29,7 +29,8 @@ def _rollout_parser(sub) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", help="comma-separated URLs of running SGLang servers")
     where.add_argument("--launch", metavar="MODEL_DIR", help="start SGLang server(s) on this HF model directory")
-    p.add_argument("--prompts", required=True, help="JSONL: one {prompt | prompt_ids, answer?} per line")
+    p.add_argument("--prompts", required=True, help="JSONL: one {prompt | prompt_ids, answer?} per line, or any "
+                   "data.train file (message prompts through the tokenizer's chat template; .parquet too)")
     p.add_argument("--out", required=True, help="output JSONL, one sample per line")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
@@ -61,17 +62,15 @@ def _rollout_parser(sub) -> None:
 
 def run_rollout(args) -> int:
     from megatron_gspo.rollout.client import ClientConfig, RolloutClient
-    from megatron_gspo.rollout.jsonl import read_prompts, write_samples
+    from megatron_gspo.rollout.jsonl import read_prompt_file, write_samples
     from megatron_gspo.rewards.pool import RewardPool, check_batch
     from megatron_gspo.rollout.server import ServerConfig, default_sglang_python, launch_servers
 
-    tokenizer_dir = args.tokenizer or args.launch
-    encode = None
+    tokenizer_dir, tokenizer = args.tokenizer or args.launch, None
     if tokenizer_dir:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts = read_prompts(args.prompts, encode)
+    prompts = read_prompt_file(args.prompts, tokenizer)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               stop_token_ids=tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip()))
