@@ -108,8 +108,9 @@ def run_rollout(args) -> int:
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="run GSPO training (launches torchrun with the configured processes)",
                        description="Validate CONFIG, then run `torchrun -m megatron_gspo.training.loop` with "
-                                   "parallel.tp * pp * cp * dp processes on this machine. Multi-node: run "
-                                   "that torchrun command yourself (scripts/).")
+                                   "parallel.tp * pp * cp * dp processes on this machine (training/launch.py: "
+                                   "when ranks fail, the first one's exception is the last line). Multi-node: "
+                                   "one `train --nnodes N --node-rank R` per node (scripts/slurm/gspo.sbatch).")
     p.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
     m = p.add_argument_group("multi-node (one `train` per node, e.g. from srun: scripts/slurm/gspo.sbatch)")
@@ -126,6 +127,7 @@ def _train_parser(sub) -> None:
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
     from megatron_gspo.net import free_port
+    from megatron_gspo.training.launch import run_torchrun
     from megatron_gspo.training.preflight import nothing_to_do, preflight
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
@@ -148,15 +150,14 @@ def run_train(args) -> int:
         print(f"megatron-gspo train: {done}")
         return 0
     preflight(config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world // args.nnodes),
-           "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-           "--master-port", str(args.master_port or free_port()),
-           "-m", "megatron_gspo.training.loop", args.config, *args.overrides]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks' environment is this process's
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.stdout.flush()
-    os.execve(sys.executable, cmd, env)  # torchrun takes this PID: signals reach it, and it the ranks
+    # torchrun runs in this process: signals reach it, and it the ranks; a failure ends with its cause, one line
+    return run_torchrun(["--nproc-per-node", str(world // args.nnodes), "--nnodes", str(args.nnodes),
+                         "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                         "--master-port", str(args.master_port or free_port()),
+                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides])
 
 
 def _serve_parser(sub) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_gspo.config import TrainConfig, dump_yaml, load_config, to_dict
 from megatron_gspo.convert.export import iter_hf_tensors
@@ -305,6 +306,7 @@ def export_hf(config: TrainConfig) -> Path:
     return out
 
 
+@record  # an uncaught exception goes to torchrun's error file: `megatron-gspo train` prints it (training/launch.py)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:

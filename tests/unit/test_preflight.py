@@ -169,7 +169,7 @@ def test_a_missing_relative_path_says_it_was_looked_for_in_the_working_directory
 
 def test_resuming_at_or_past_num_steps_says_there_is_nothing_to_do_and_starts_nothing(tmp_path, capsys, monkeypatch):
     from megatron_gspo import cli
-    from megatron_gspo.training import preflight as preflight_module
+    from megatron_gspo.training import launch, preflight as preflight_module
 
     fake_hf_dir(tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
@@ -183,7 +183,7 @@ def test_resuming_at_or_past_num_steps_says_there_is_nothing_to_do_and_starts_no
     def started(*_):
         raise AssertionError("nothing may start")
     monkeypatch.setattr(preflight_module, "open_datasets", started)  # preflight's last, slowest part
-    monkeypatch.setattr(os, "execve", started)
+    monkeypatch.setattr(launch, "run_torchrun", started)
     assert cli.main([*args, "num_steps=5"]) == 0
     assert capsys.readouterr().out == (f"megatron-gspo train: nothing to do: the latest checkpoint in checkpoint.dir="
                                        f"{ckpt} is at step 5 and num_steps=5 (raise num_steps to train on)\n")
