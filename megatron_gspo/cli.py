@@ -30,7 +30,8 @@ def _rollout_parser(sub) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--servers", help="comma-separated URLs of running SGLang servers")
     where.add_argument("--launch", metavar="MODEL_DIR", help="start SGLang server(s) on this HF model directory")
-    p.add_argument("--prompts", required=True, help="JSONL: one {prompt | prompt_ids, answer?} per line")
+    p.add_argument("--prompts", required=True, help="JSONL: one {prompt | prompt_ids, answer?} per line, or any "
+                   "data.train file (message prompts through the tokenizer's chat template; .parquet too)")
     p.add_argument("--out", required=True, help="output JSONL, one sample per line")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
@@ -64,17 +65,15 @@ def _rollout_parser(sub) -> None:
 
 def run_rollout(args) -> int:
     from megatron_gspo.rollout.sglang.client import RolloutClient
-    from megatron_gspo.rollout.jsonl import read_prompts, write_samples
+    from megatron_gspo.rollout.jsonl import read_prompt_file, write_samples
     from megatron_gspo.rewards.pool import RewardPool, check_batch
     from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
 
-    tokenizer_dir = args.tokenizer or args.launch
-    encode = None
+    tokenizer_dir, tokenizer = args.tokenizer or args.launch, None
     if tokenizer_dir:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts = read_prompts(args.prompts, encode)
+    prompts = read_prompt_file(args.prompts, tokenizer)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                               stop_token_ids=tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip()))
@@ -113,8 +112,9 @@ def run_rollout(args) -> int:
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="run GSPO training (launches torchrun with the configured processes)",
                        description="Validate CONFIG, then run `torchrun -m megatron_gspo.training.loop` with "
-                                   "parallel.tp * pp * cp * dp processes on this machine. Multi-node: run "
-                                   "that torchrun command yourself (scripts/).")
+                                   "parallel.tp * pp * cp * dp processes on this machine (training/launch.py: "
+                                   "when ranks fail, the first one's exception is the last line). Multi-node: "
+                                   "one `train --nnodes N --node-rank R` per node (scripts/slurm/gspo.sbatch).")
     p.add_argument("config", help="YAML config, e.g. examples/tiny_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
     m = p.add_argument_group("multi-node (one `train` per node, e.g. from srun: scripts/slurm/gspo.sbatch)")
@@ -131,7 +131,8 @@ def _train_parser(sub) -> None:
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
     from megatron_gspo.net import free_port
-    from megatron_gspo.training.preflight import preflight
+    from megatron_gspo.training.launch import run_torchrun
+    from megatron_gspo.training.preflight import nothing_to_do, preflight
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
     world = config.parallel.world_size
@@ -148,16 +149,19 @@ def run_train(args) -> int:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
     if args.nnodes > 1 and args.master_port is None:
         raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
+    done = nothing_to_do(config)
+    if done:
+        print(f"megatron-gspo train: {done}")
+        return 0
     preflight(config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world // args.nnodes),
-           "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-           "--master-port", str(args.master_port or free_port()),
-           "-m", "megatron_gspo.training.loop", args.config, *args.overrides]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the ranks' environment is this process's
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.stdout.flush()
-    os.execve(sys.executable, cmd, env)  # torchrun takes this PID: signals reach it, and it the ranks
+    # torchrun runs in this process: signals reach it, and it the ranks; a failure ends with its cause, one line
+    return run_torchrun(["--nproc-per-node", str(world // args.nnodes), "--nnodes", str(args.nnodes),
+                         "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                         "--master-port", str(args.master_port or free_port()),
+                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides])
 
 
 def _serve_parser(sub) -> None:

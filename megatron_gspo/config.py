@@ -545,12 +545,58 @@ class TrainConfig:
 
 # ---- loading -------------------------------------------------------------------------------------
 
+def read_yaml(path: str | Path) -> Any:
+    """The YAML file's contents. A syntax error is a one-line ValueError naming the file, line and column;
+    so is a key given twice in one mapping (at any depth), which PyYAML would resolve silently to the
+    last value: the error names the key and both lines."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        context = ""
+        if e.context and e.context_mark and e.problem_mark:
+            context = f" ({e.context} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+        raise ValueError(f"{where}: invalid YAML: {e.problem or e.context}{context}") from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (control characters)
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - text.rfind("\n", 0, e.position)
+        raise ValueError(f"{path}, line {line}, column {column}: invalid YAML: character {chr(e.character)!r} "
+                         "is not allowed") from None
+
+
+def _refuse_duplicate_keys(root, path) -> None:
+    """ValueError for the first mapping (of the composed YAML document `root`) that has a key twice."""
+    stack, walked = [(root, "")], set()
+    while stack:
+        node, prefix = stack.pop()
+        if node is None or id(node) in walked:  # an empty document, or an alias of a node walked already
+            continue
+        walked.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack += [(item, f"{prefix}[{i}]") for i, item in enumerate(node.value)]
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[tuple, int] = {}
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    continue
+                name = f"{prefix}.{key.value}" if prefix else key.value
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    raise ValueError(f"{path}: key {name!r} is given twice, at line {lines[key.tag, key.value]} "
+                                     f"and at line {line} (remove one)")
+                lines[key.tag, key.value] = line
+                stack.append((value, name))
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """TrainConfig from a YAML file (or the defaults) with `key.sub=value` overrides applied."""
     raw: dict = {}
     if path is not None:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
+        raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     for item in overrides:

@@ -68,11 +68,12 @@ def read_all(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def fake_hf_dir(directory: Path) -> Path:
-    """A model directory that passes preflight without weights: an empty config.json and the tiny
-    tokenizer (with its chat template), for tests of checks made before any model loads."""
+    """A model directory that passes preflight without weights: the demo's tiny Qwen3 config.json (preflight
+    checks the parallel layout against its shape) and the tiny tokenizer (with its chat template), for tests
+    of checks made before any model loads."""
     from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text("{}")
+    tiny_qwen3_config(TinyQwen3Spec(), architectures=["Qwen3ForCausalLM"]).to_json_file(directory / "config.json")
     make_tiny_tokenizer().save_pretrained(directory)
     return directory

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -152,8 +153,34 @@ class DcpRegionReader:
         if not (self.directory / ".metadata").is_file():
             raise FileNotFoundError(f"{self.directory}: no .metadata (not a torch_dist checkpoint)")
         self.reader = FileSystemReader(self.directory)
-        self.metadata = self.reader.read_metadata()
+        try:
+            self.metadata = self.reader.read_metadata()
+        except (EOFError, pickle.UnpicklingError, RuntimeError, ValueError) as e:
+            raise ValueError(f"{self.directory / '.metadata'}: truncated or corrupt ({_first_line(e)})") from e
         self.reader.set_up_storage_reader(self.metadata, True)
+        self._check_data_files()
+
+    def _check_data_files(self) -> None:
+        """ValueError naming a data file that is missing or shorter than the records `.metadata` places in it
+        (a copy cut short); torch's reader would fail deep inside its zip reader, naming no file."""
+        ends: dict[str, int] = {}
+        for info in self.reader.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            path = self.directory / name
+            if not path.is_file():
+                raise ValueError(f"{path}: missing (the checkpoint's .metadata has records in it)")
+            size = path.stat().st_size
+            if size < end:
+                raise ValueError(f"{path}: truncated torch_dist data file ({size} bytes, but .metadata has "
+                                 f"records up to byte {end})")
+
+    def _corrupt(self, read_items, error: Exception) -> ValueError:
+        """The error for records torch could not load: which file(s), which key."""
+        infos = [self.reader.storage_data[item.storage_index] for item in read_items]
+        files = ", ".join(sorted({str(self.directory / info.relative_path) for info in infos}))
+        return ValueError(f"{files}: corrupt torch_dist data file: the record of {read_items[0].storage_index.fqn!r} "
+                          f"cannot be read ({_first_line(error)})")
 
     def tensor_metadata(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -170,10 +197,13 @@ class DcpRegionReader:
         if covered != wanted.sizes.numel():
             raise ValueError(f"{self.directory}: {key} region {offsets}+{sizes} is only partly stored "
                              f"({covered} of {wanted.sizes.numel()} elements)")
-        if len(read_items) == 1 and self._is_whole_chunk(read_items[0], md):
-            return self._load_chunk(read_items[0]).view(sizes)
-        out = torch.empty(sizes, dtype=md.properties.dtype)
-        self.reader.read_data(LoadPlan(read_items), _Receiver(out)).wait()
+        try:
+            if len(read_items) == 1 and self._is_whole_chunk(read_items[0], md):
+                return self._load_chunk(read_items[0]).view(sizes)
+            out = torch.empty(sizes, dtype=md.properties.dtype)
+            self.reader.read_data(LoadPlan(read_items), _Receiver(out)).wait()
+        except _UNREADABLE as e:
+            raise self._corrupt(read_items, e) from e
         return out
 
     def _is_whole_chunk(self, read_item, md: TensorStorageMetadata) -> bool:
@@ -200,6 +230,15 @@ class DcpRegionReader:
                 return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
         data = map_bytes(path, info.offset + storage._checkpoint_offset, storage.nbytes()).view(meta.dtype)
         return data.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+
+
+_UNREADABLE = (EOFError, pickle.UnpicklingError, RuntimeError)
+"""What torch.load raises for a record whose bytes are not a torch.save record (zip reader, unpickler)."""
+
+
+def _first_line(error: Exception, limit: int = 120) -> str:
+    line = str(error).splitlines()[0] if str(error) else "no message"
+    return f"{type(error).__name__}: {line if len(line) <= limit else line[:limit] + '...'}"
 
 
 class _Receiver:

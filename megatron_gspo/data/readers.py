@@ -2,16 +2,19 @@
 `.parquet` through pyarrow, directories written by `datasets.Dataset.save_to_disk` through
 `datasets.load_from_disk`.
 
-Rows are numbered from 0 in every message (the first line of a `.jsonl` file is row 0).
+Rows are numbered from 0 in every message (the first line of a `.jsonl` file is row 0); a line that is
+not JSON is named by its line number too (1-based, as editors count).
 Columnar formats cannot tell an absent field from a null one, so both read as None here.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 from megatron_gspo.data.errors import DataError
+from megatron_gspo.paths import relative_path_note
 
 _MISSING = object()
 _JSON_SUFFIXES = (".jsonl", ".json")
@@ -21,7 +24,7 @@ def read_rows(path: str | Path) -> list[dict]:
     """All rows of one prompt file or save_to_disk directory, in file order; DataError if unreadable or empty."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{p}: no such file or directory")
+        raise DataError(f"{p}: no such file or directory{relative_path_note(p)}")
     try:
         if p.is_dir():
             rows = _read_saved_dataset(p)
@@ -45,32 +48,35 @@ def read_rows(path: str | Path) -> list[dict]:
 def _read_json_lines(p: Path) -> list[dict]:
     """Rows of a JSON-lines file, each value exactly as written.
 
-    pandas with dtype=False keeps every value as JSON gave it, row by row (a string "007" stays a string;
-    an answer column may mix strings and numbers, a prompt column strings and message lists). pyarrow's
-    JSON reader needs one type per column, and datasets 5.2 turns a mixed column into its Json feature,
-    which decodes the string "007" to the number 7. A row missing a key reads as NaN there: dropped here.
+    Every line is first checked to be one JSON object (`_check_json_lines`). pandas with dtype=False then
+    keeps every value as JSON gave it, row by row (a string "007" stays a string; an answer column may mix
+    strings and numbers, a prompt column strings and message lists). pyarrow's JSON reader needs one type
+    per column, and datasets 5.2 turns a mixed column into its Json feature, which decodes the string "007"
+    to the number 7. A row missing a key reads as NaN there: dropped here.
     """
     import pandas as pd
-    try:
-        frame = pd.read_json(p, lines=True, dtype=False, precise_float=True)
-    except ValueError as e:
-        raise DataError(f"{p}: not valid JSON lines: {_json_error_with_row(p) or e}") from e
+    _check_json_lines(p)
+    frame = pd.read_json(p, lines=True, dtype=False, precise_float=True)
     return [{k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
             for row in frame.to_dict("records")]
 
 
-def _json_error_with_row(p: Path) -> str | None:
-    """pyarrow's message for a malformed JSON-lines file, which names the row (0-based) pandas' does not."""
-    import pyarrow.json as paj
-    # One block for the whole file (up to pyarrow's 2 GiB limit): the row numbers of pyarrow's parse
-    # errors then count from the start of the file, not from the start of a block.
-    block = min(max(p.stat().st_size + 1, 1 << 20), (1 << 31) - 1)
-    try:
-        paj.read_json(p, read_options=paj.ReadOptions(block_size=block))
-    except Exception as e:
-        if "parse error" in str(e):
-            return f"{e} (rows counted from 0)"
-    return None
+def _check_json_lines(p: Path) -> None:
+    """DataError naming the line (1-based, as editors count) and the row (0-based; blank lines are skipped)
+    of the first line that is not one JSON object. pandas' own parser accepts some invalid JSON (a trailing
+    comma), and a truncated line reached it as "Column (/answer) changed from string to object in row 20"."""
+    row = 0
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))  # an error at the end of the line is on this line
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p} line {lineno} (row {row}): not valid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(value, dict):
+                raise DataError(f"{p} line {lineno} (row {row}): expected a JSON object, got {type(value).__name__}")
+            row += 1
 
 
 def _read_saved_dataset(p: Path) -> list[dict]:

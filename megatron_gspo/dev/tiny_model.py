@@ -130,9 +130,12 @@ def make_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) 
     """Write config.json, model.safetensors (float32), tokenizer.json and tokenizer_config.json (and the
     chat template, CHAT_TEMPLATE, where transformers saves it).
 
-    The same spec gives bit-identical weights and tokenizer on every call.
+    The same spec gives bit-identical weights and tokenizer on every call. `out_dir` must not exist or be
+    empty (FileExistsError otherwise: files of an earlier model there would be left beside the new ones).
     """
     out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output directory {out} already exists and is not empty; refusing to overwrite it")
     out.mkdir(parents=True, exist_ok=True)
     fast = make_tiny_tokenizer(spec)
     eos_id = fast.convert_tokens_to_ids(EOS_TOKEN)

@@ -132,6 +132,51 @@ def transformer_config(shape: Qwen3Shape, layout: ParallelConfig, *, params_dtyp
     return TransformerConfig(**fields)
 
 
+def check_layout(shape: Qwen3Shape, layout: ParallelConfig) -> None:
+    """ValueError, naming the parallel.* keys and the model's numbers (config.json names), when Megatron-Core
+    0.16 cannot split `shape` under `layout`: the rules it asserts only once the model is built.
+
+    - tp divides num_attention_heads (transformer_config.py:924), num_key_value_heads (with Transformer
+      Engine tp may also be a multiple of it, KV heads then replicated: transformer_config.py:939,
+      attention.py:289; the CPU attention splits them: parallel/cp_attention.py:112) and the dense
+      intermediate_size (tensor_parallel/layers.py:842, 1166). The vocabulary is padded to a multiple of
+      128 * tp (padded_vocab_size): no rule.
+    - ep > 1 needs an MoE model (transformer_config.py:1049) and divides num_experts (moe/moe_layer.py:101);
+      the expert tp (etp) divides moe_intermediate_size (moe/experts.py).
+    - pp divides num_hidden_layers (transformer_block.py:156); with vpp, vpp divides the layers per stage
+      (transformer_block.py:175).
+    - cp: no rule on the shape (rows are padded to a multiple of 2 * cp * tp: training/packing.py).
+    """
+    problems = []
+
+    def need(ok: bool, problem: str) -> None:
+        if not ok:
+            problems.append(problem)
+
+    tp, heads, groups = layout.tp, shape.num_attention_heads, shape.num_query_groups
+    need(heads % tp == 0, f"parallel.tp={tp} must divide num_attention_heads={heads}")
+    if torch.cuda.is_available():  # Transformer Engine attention (layer_spec)
+        need(groups % tp == 0 or tp % groups == 0,
+             f"parallel.tp={tp} must divide num_key_value_heads={groups} or be a multiple of it")
+    else:
+        need(groups % tp == 0, f"parallel.tp={tp} must divide num_key_value_heads={groups} (on CPU)")
+    if shape.is_moe:
+        need(shape.num_experts % layout.ep == 0, f"parallel.ep={layout.ep} must divide num_experts={shape.num_experts}")
+        need(shape.moe_ffn_hidden_size % layout.expert_tp == 0,
+             f"the expert tensor parallel size {layout.expert_tp} (parallel.etp={layout.etp}, parallel.tp={tp}) "
+             f"must divide moe_intermediate_size={shape.moe_ffn_hidden_size}")
+    else:
+        need(shape.ffn_hidden_size % tp == 0, f"parallel.tp={tp} must divide intermediate_size={shape.ffn_hidden_size}")
+        need(layout.ep == 1, f"parallel.ep={layout.ep} needs an MoE model (this one is dense): set parallel.ep=1")
+    layers, pp = shape.num_layers, layout.pp
+    need(layers % pp == 0, f"parallel.pp={pp} must divide num_hidden_layers={layers}")
+    if layout.vpp is not None and layers % pp == 0:
+        need((layers // pp) % layout.vpp == 0, f"parallel.vpp={layout.vpp} must divide the {layers // pp} layers "
+                                               f"of each of the pp={pp} stages (num_hidden_layers={layers})")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 class PolicyGPTModel(GPTModel):
     """Megatron's GPTModel, whose forward with `labels` returns this rank's logits in Megatron's own
     [s, b, V] layout instead of a cross-entropy loss: `model(tokens, positions, None, labels=labels_BS)`.

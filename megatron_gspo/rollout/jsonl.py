@@ -1,4 +1,5 @@
-"""JSONL in and out: prompt files (one prompt per line) and sample files (one Sample per line).
+"""JSONL in and out: prompt files (one prompt per line; `read_prompt_file` also reads training data files)
+and sample files (one Sample per line).
 
 Every malformed line is an error naming the file and the 1-based line number; nothing is skipped
 silently (blank lines are allowed and ignored).
@@ -20,6 +21,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from megatron_gspo.config import DataConfig
+from megatron_gspo.data import open_prompt_dataset
 from megatron_gspo.samples import Prompt, Sample
 
 
@@ -78,6 +81,21 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
     if len(set(ids)) != len(ids):
         raise JsonlError(f"{path}: duplicate group_id values")
     return prompts
+
+
+def read_prompt_file(path: str | Path, tokenizer=None) -> list[Prompt]:
+    """The prompts of `megatron-gspo rollout --prompts`: a prompts JSONL file of {prompt (text) | prompt_ids,
+    answer?, group_id?} lines (`read_prompts`; text tokenized as it is), or any file data.train takes, read
+    the way training reads it (data/: {role, content} message prompts through the tokenizer's chat template,
+    an answer on every row; .parquet and save_to_disk directories too), its prompts in file order."""
+    if Path(path).suffix in (".jsonl", ".json") and not any(
+            isinstance(obj.get("prompt"), list) for _, obj in _objects(path)):
+        encode = None if tokenizer is None else lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+        return read_prompts(path, encode)
+    if tokenizer is None:
+        raise JsonlError(f"{path}: prompts given as messages (or a .parquet / save_to_disk dataset) need a "
+                         "tokenizer and its chat template: pass --tokenizer")
+    return open_prompt_dataset([str(path)], DataConfig(), tokenizer, field="--prompts").eval_prompts()
 
 
 _ROUTING_DTYPES = {"uint8": np.dtype("<u1"), "int16": np.dtype("<i2")}

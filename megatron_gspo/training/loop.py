@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_gspo.config import TrainConfig, dump_yaml, load_config, to_dict
 from megatron_gspo.convert.export import iter_hf_tensors
@@ -47,7 +48,7 @@ from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
-from megatron_gspo.training.preflight import Prepared, preflight
+from megatron_gspo.training.preflight import Prepared, nothing_to_do, preflight
 from megatron_gspo.training.setup import Policy, build_policy, old_logprobs, step_settings
 from megatron_gspo.training.step import train_on_batch
 
@@ -259,8 +260,8 @@ def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: Rollo
     rollout_metrics.update({f"{key}_minibatch1": records[0][key] for key in ("loss/clipped_fraction_seq",
                             "loss/clipped_fraction_token") if key in records[0]})
     k = config.gspo.num_minibatches
-    for i, record in enumerate(records):
-        logger.log((step - 1) * k + i + 1, {"rollout_step": step, **rollout_metrics, **times, **record})
+    for i, values in enumerate(records):
+        logger.log((step - 1) * k + i + 1, {"rollout_step": step, **rollout_metrics, **times, **values})
     if config.logging.progress_bar:
         print(f"step {step}/{config.num_steps}  reward {rollout_metrics['reward/mean']:.3f}  "
               f"zero-signal groups {rollout_metrics['reward/zero_signal_group_fraction']:.2f}  "
@@ -306,13 +307,20 @@ def export_hf(config: TrainConfig) -> Path:
     return out
 
 
+@record  # an uncaught exception goes to torchrun's error file: `megatron-gspo train` prints it (training/launch.py)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: torchrun --nproc-per-node N -m megatron_gspo.training.loop CONFIG [key=value ...]",
               file=sys.stderr)
         return 2
-    train(load_config(argv[0], argv[1:]))
+    config = load_config(argv[0], argv[1:])
+    done = nothing_to_do(config)  # (`megatron-gspo train` says so before it starts torchrun)
+    if done:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(done, flush=True)
+        return 0
+    train(config)
     dist.destroy_process_group()
     return 0
 

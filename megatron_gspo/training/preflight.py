@@ -17,12 +17,15 @@ from transformers import AutoTokenizer
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
+from megatron_gspo.model.gpt import check_layout
 from megatron_gspo.model.presets import PRESETS
+from megatron_gspo.paths import relative_path_note
 from megatron_gspo.rewards.verifiers import load_reward_fn
 from megatron_gspo.rollout.megatron.sampling import check_sampling
 from megatron_gspo.rollout.sglang.server import check_sglang_python, default_sglang_python
 from megatron_gspo.samples import Prompt
 from megatron_gspo.rollout.sglang.weight_sync import check_disk_sync_folder
+from megatron_gspo.training.checkpoint import find_latest
 
 
 @dataclass
@@ -48,8 +51,8 @@ def _writable(path: str, name: str) -> None:
 
 def preflight(config: TrainConfig) -> Prepared:
     """Raise ValueError naming the setting when a path the run needs is missing or not writable, a
-    named preset or reward function does not exist, or a dataset is bad (data.DataError); else the
-    opened datasets."""
+    named preset or reward function does not exist, the parallel layout cannot split the model
+    (model.gpt.check_layout), or a dataset is bad (data.DataError); else the opened datasets."""
     model = config.model
     if model.preset is not None and model.preset not in PRESETS:
         raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
@@ -61,22 +64,26 @@ def preflight(config: TrainConfig) -> Prepared:
         raise ValueError("model.hf_path is required to train: the prompts need its tokenizer "
                          f"(model.preset={model.preset!r} gives a model shape only)")
     if not (Path(model.hf_path) / "config.json").is_file():
-        raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)")
+        raise ValueError(f"model.hf_path: no Hugging Face model at {model.hf_path!r} (config.json not found)"
+                         f"{relative_path_note(model.hf_path)}")
+    shape, name = shape_of(model.preset, model.hf_path), model.preset or model.hf_path
+    try:
+        check_layout(shape, config.parallel)
+    except ValueError as e:
+        raise ValueError(f"the parallel layout does not fit the model ({name}): {e}") from None
     gspo = config.gspo
-    if gspo.routing_replay != "off" or gspo.recompute == "fused":  # the settings that depend on MoE or not
-        name, moe = model.preset or model.hf_path, shape_of(model.preset, model.hf_path).is_moe
-        if gspo.routing_replay != "off" and not moe:
-            raise ValueError(f"gspo.routing_replay={gspo.routing_replay}: the model is dense ({name} has no MoE "
-                             "routers); use off")
-        if gspo.recompute == "fused" and moe:
-            raise ValueError(f"gspo.recompute=fused: {name} is an MoE model, whose routing is recorded per "
-                             "micro-batch while recomputing; use per_minibatch (or auto)")
+    if gspo.routing_replay != "off" and not shape.is_moe:
+        raise ValueError(f"gspo.routing_replay={gspo.routing_replay}: the model is dense ({name} has no MoE "
+                         "routers); use off")
+    if gspo.recompute == "fused" and shape.is_moe:
+        raise ValueError(f"gspo.recompute=fused: {name} is an MoE model, whose routing is recorded per "
+                         "micro-batch while recomputing; use per_minibatch (or auto)")
     if config.parallel.pack_sequences and torch.cuda.is_available():
         raise ValueError("parallel.pack_sequences=true needs the local attention spec (CPU): on GPU the model "
                          "uses Transformer Engine attention, whose packed format (THD) is not wired here")
     if model.init_checkpoint is not None and not (Path(model.init_checkpoint) / "metadata.json").is_file():
-        raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at "
-                         f"{model.init_checkpoint!r} (metadata.json not found)")
+        raise ValueError(f"model.init_checkpoint: no Megatron distributed checkpoint at {model.init_checkpoint!r} "
+                         f"(metadata.json not found){relative_path_note(model.init_checkpoint)}")
     if config.checkpoint.dir is not None:
         _writable(config.checkpoint.dir, "checkpoint.dir")
     _writable(config.logging.run_dir, "logging.run_dir")
@@ -100,6 +107,20 @@ def preflight(config: TrainConfig) -> Prepared:
     except ValueError as e:
         raise ValueError(f"reward.fn: {e}") from None
     return open_datasets(config)
+
+
+def nothing_to_do(config: TrainConfig) -> str | None:
+    """What to tell the user when the run would resume at or past num_steps (the latest checkpoint of
+    checkpoint.dir, training/checkpoint.py find_latest), before anything starts; else None. A final export
+    (checkpoint.export_hf) not yet written is still to do."""
+    c = config.checkpoint
+    if not (c.dir and c.resume) or (c.export_hf is not None and not Path(c.export_hf).exists()):
+        return None
+    step = find_latest(c.dir)
+    if step is None or step < config.num_steps:
+        return None
+    return (f"nothing to do: the latest checkpoint in checkpoint.dir={c.dir} is at step {step} and "
+            f"num_steps={config.num_steps} (raise num_steps to train on)")
 
 
 def open_datasets(config: TrainConfig) -> Prepared:

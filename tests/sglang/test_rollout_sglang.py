@@ -11,7 +11,7 @@ from megatron_gspo.config import RolloutConfig
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.rollout.sglang.client import RolloutClient, RolloutError
-from megatron_gspo.rollout.sglang.server import cpu_plugin
+from megatron_gspo.rollout.sglang.server import SHM_DIR, cpu_plugin, shm_files_of_group
 from sglang_test_utils import API_KEY, make_prompts, recompute_logprobs
 
 pytestmark = pytest.mark.sglang
@@ -113,6 +113,10 @@ def test_server_killed_mid_rollout_every_group_still_has_G(servers, tokenizer):
     # with requests in flight on the killed server.
     prompts = make_prompts(tokenizer, 16, seed=2)
     rollout = client(servers, concurrency=4, retry_backoff_s=0.1)
+    # what SGLang leaves in /dev/shm when it dies: removed by kill() (and stop()), rollout/sglang/server.py
+    leftovers = shm_files_of_group(servers[1].process.pid)
+    assert sorted(name.split("-")[0] if name.startswith("sem.") else name[:13] for name in leftovers) == [
+        "sem.mp", "sglang_loads_"], leftovers
 
     async def main():
         generate = asyncio.create_task(rollout.generate(prompts, 8, SamplingConfig(max_new_tokens=48)))
@@ -126,5 +130,6 @@ def test_server_killed_mid_rollout_every_group_still_has_G(servers, tokenizer):
     assert sum(stats.requests_ok.values()) == 16
     assert stats.failures, "the kill happened after the rollout finished: nothing was tested"
     assert servers[1].url in stats.retired
+    assert not [name for name in leftovers if (SHM_DIR / name).exists()]
     print(f"\nkilled {servers[1].url} mid-rollout: {len(stats.failures)} failed requests re-sent, "
           f"requests per server {stats.requests_ok}, {stats.elapsed_s:.1f} s")

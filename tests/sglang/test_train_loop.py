@@ -83,7 +83,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model_dir, tmp_path, sig):
-    """SIGTERM/SIGINT to `megatron-gspo train` (torchrun takes its PID and passes the signal to the
+    """SIGTERM/SIGINT to `megatron-gspo train` (torchrun runs in its process and passes the signal to the
     ranks): the run finishes its step, checkpoints it (the interval alone would not: 100), stops the
     SGLang server it started, and leaves no process behind."""
     import psutil

@@ -1,5 +1,6 @@
 """Configuration: YAML + overrides map onto typed, validated dataclasses; bad input names the field."""
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,48 @@ def test_unknown_yaml_key_rejected(tmp_path):
     path.write_text("model: {preset: tiny_dense}\nrollout: {backend: megatron, max_new_token: 5}\n")
     with pytest.raises(ValueError, match="'rollout.max_new_token'; did you mean 'sampling.max_new_tokens'"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    # "seed" indented under a scalar: YAML sees "5 seed" as one value, then a colon it cannot place
+    ("model: {preset: tiny_dense}\nnum_steps: 5\n  seed: 3\n", r"c\.yaml, line 3, column 7: invalid YAML: "
+                                                               r"mapping values are not allowed here$"),
+    ("data: {train: [a.jsonl, b.jsonl}\n", r"c\.yaml, line 1, column 32: invalid YAML: expected ',' or '\]', "
+                                           r"but got '}' \(while parsing a flow sequence at line 1, column 15\)$"),
+    ("gspo:\n\tnum_minibatches: 2\n", r"c\.yaml, line 2, column 1: invalid YAML: found character '\\t' that "
+                                      r"cannot start any token$"),
+    ("seed: 1\nnum_steps: \x00\n", r"c\.yaml, line 2, column 12: invalid YAML: character '\\x00' is not allowed$"),
+])
+def test_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as err:
+        load_config(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_steps: 5\nseed: 1\nnum_steps: 7\n", "key 'num_steps' is given twice, at line 1 and at line 3"),
+    ("model: {preset: tiny_dense}\ngspo:\n  eps_low: 1.0e-4\n  group_size: 4\n  eps_low: 2.0e-4\n",
+     "key 'gspo.eps_low' is given twice, at line 3 and at line 5"),
+    ("eval:\n  datasets: {a: x.jsonl, a: y.jsonl}\n", r"key 'eval.datasets.a' is given twice, at line 2 and at line 2"),
+    ("model:\n  preset: tiny_dense\nrollout:\n  backend: megatron\nmodel:\n  dtype: float32\n",
+     "key 'model' is given twice, at line 1 and at line 5"),
+])
+def test_yaml_key_given_twice_is_refused(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {message} \(remove one\)$"):
+        load_config(path)
+
+
+def test_yaml_merge_key_may_be_overridden(tmp_path):
+    # A key merged in with << and given again in the mapping it is merged into is YAML's override, not a duplicate.
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {preset: tiny_dense}\nrollout: {backend: megatron}\n"
+                    "sampling: {<<: {temperature: 0.5, top_p: 0.9}, temperature: 0.7}\n")
+    sampling = load_config(path).sampling
+    assert (sampling.temperature, sampling.top_p) == (0.7, 0.9)
 
 
 def test_malformed_override():

@@ -214,6 +214,30 @@ def test_truncated_safetensors(hf, tmp_path):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("damage", ["truncated", "cut_to_its_header", "overwritten", "metadata_truncated"])
+def test_damaged_torch_dist_checkpoint_names_the_file(hf, tmp_path, damage):
+    convert_hf_to_mcore(hf["moe_bf16"], tmp_path / "mcore", group_bytes=50_000, progress=False)
+    directory = tmp_path / "mcore" / "release"
+    data = directory / "__3_0.distcp"  # one of the 12 data files (groups of 50 kB)
+    size = data.stat().st_size
+    if damage == "truncated":  # torch: "PytorchStreamReader failed reading zip archive", naming no file
+        os.truncate(data, size - 100)
+        message = (rf"{data}: truncated torch_dist data file \({size - 100} bytes, but .metadata has records up to "
+                   rf"byte {size}\)")
+    elif damage == "cut_to_its_header":
+        os.truncate(data, 100)
+        message = rf"{data}: truncated torch_dist data file \(100 bytes"
+    elif damage == "overwritten":  # the right size, not a torch.save record
+        data.write_bytes(bytes(size))
+        message = rf"{data}: corrupt torch_dist data file: the record of '.*' cannot be read \(UnpicklingError: "
+    else:
+        os.truncate(directory / ".metadata", 1000)
+        message = rf"{directory / '.metadata'}: truncated or corrupt \("
+    with pytest.raises(ValueError, match=message):
+        convert_mcore_to_hf(tmp_path / "mcore", hf["moe_bf16"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
 def test_existing_output_directory_is_refused(hf, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("mine")

@@ -173,7 +173,10 @@ def test_epochs_end_the_stream(tmp_path, tok):
 @pytest.mark.parametrize("content, data, message", [
     (None, {}, r"data\.train: .*nope\.jsonl: no such file"),
     ("x", {}, r"unknown prompt file type '\.txt'"),
-    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n', {}, r"p\.jsonl: not valid JSON lines: .*in row 1"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer"\n', {}, r"p\.jsonl line 2 \(row 1\): not valid JSON: "
+                                                                    r"Expecting ':' delimiter \(column 25\)$"),
+    ('{"prompt": "a", "answer": "1"}\n\n[{"prompt": "b"}]\n', {}, r"p\.jsonl line 3 \(row 1\): expected a JSON object, "
+                                                                r"got list"),
     ("", {}, r"p\.jsonl: (no rows|cannot read)"),
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n', {}, r"p\.jsonl row 1: no key 'answer' \(or null in a JSON file; keys: \['prompt'\]\)"),
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": null}\n', {}, r"p\.jsonl row 1: no key 'answer'"),
@@ -191,6 +194,24 @@ def test_bad_inputs_name_file_row_and_key(tmp_path, tok, content, data, message)
         path.write_text(content)
     with pytest.raises(DataError, match=message):
         open_prompt_dataset([str(path)], DataConfig(**data), tok)
+
+
+def test_a_truncated_line_is_named_as_invalid_json(tmp_path, tok):
+    rows = [json.dumps({"prompt": f"{i}+0", "answer": str(i)}) for i in range(30)]
+    truncated = tmp_path / "truncated.jsonl"  # a copy cut short in the middle of line 21
+    truncated.write_text("\n".join(rows[:20] + [rows[20][:25]] + rows[21:]) + "\n")
+    with pytest.raises(DataError, match=r"data\.train: .*truncated\.jsonl line 21 \(row 20\): not valid JSON: "
+                                        r"Unterminated string starting at \(column 20\)$"):
+        open_prompt_dataset([str(truncated)], DataConfig(), tok)
+
+
+def test_a_trailing_comma_is_invalid_json(tmp_path, tok):
+    rows = [json.dumps({"prompt": f"{i}+0", "answer": str(i)}) for i in range(30)]
+    trailing_comma = tmp_path / "comma.jsonl"  # pandas' reader took it as {"prompt": "3+0", "answer": "3"}
+    trailing_comma.write_text("\n".join(rows[:3] + ['{"prompt": "3+0", "answer": "3",}'] + rows[4:]) + "\n")
+    with pytest.raises(DataError, match=r"comma\.jsonl line 4 \(row 3\): not valid JSON: Expecting property name "
+                                        r"enclosed in double quotes \(column 33\)$"):
+        open_prompt_dataset([str(trailing_comma)], DataConfig(), tok)
 
 
 def test_bad_parquet_and_empty_list_and_field_name(tmp_path, tok):

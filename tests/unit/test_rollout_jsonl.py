@@ -1,5 +1,6 @@
 """Prompt and sample JSONL files: round trip, and errors that name the file and line."""
 import json
+import re
 
 import pytest
 
@@ -72,3 +73,49 @@ def test_malformed_prompt_line(tmp_path, line, message):
     path = write_lines(tmp_path / "p.jsonl", [line])
     with pytest.raises(JsonlError, match=message):
         read_prompts(path)
+
+
+def test_rollout_cli_reads_training_data_files_and_the_old_prompt_lines(tmp_path, capsys):
+    """`megatron-gspo rollout --prompts` takes the project's own message-format data (as data.train reads it:
+    through the tokenizer's chat template) as well as {prompt | prompt_ids, answer} lines."""
+    import asyncio
+    import threading
+
+    from megatron_gspo import cli
+    from megatron_gspo.data import write_arithmetic_data
+    from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
+    from tests.unit.fake_sglang_server import FakeSGLang
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    _, test = write_arithmetic_data(tmp_path / "data")  # 10 rows {"prompt": [{"role": "user", ...}], "answer"}
+    rows = [json.loads(line) for line in test.read_text().splitlines()]
+    old = write_lines(tmp_path / "old.jsonl", ['{"prompt": "1+2=", "answer": 3}', '{"prompt_ids": [4, 5]}'])
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = asyncio.run_coroutine_threadsafe(FakeSGLang(delay_s=0).__aenter__(), loop).result()
+    try:
+        def rollout(prompts, *tokenizer_flag):
+            out = tmp_path / "samples.jsonl"
+            assert cli.main(["rollout", "--servers", server.url, "--prompts", str(prompts), "--out", str(out),
+                             "--n", "2", *tokenizer_flag]) == 0
+            return read_samples(out)
+
+        samples = rollout(test, "--tokenizer", str(tmp_path / "tok"))
+        # "3+4" as a user message renders "3+4=" (the tiny chat template)
+        templated = [row["prompt"][0]["content"] + "=" for row in rows]
+        assert [s.prompt for s in samples[::2]] == templated
+        assert [s.prompt_ids for s in samples[::2]] == [tokenizer(t, add_special_tokens=False)["input_ids"]
+                                                        for t in templated]
+        assert [s.answer for s in samples[::2]] == [row["answer"] for row in rows]
+        assert [(s.group_id, s.sample_index) for s in samples[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        samples = rollout(old, "--tokenizer", str(tmp_path / "tok"))
+        assert [(s.prompt, s.prompt_ids, s.answer) for s in samples[::2]] == [
+            ("1+2=", tokenizer("1+2=", add_special_tokens=False)["input_ids"], "3"), (None, [4, 5], None)]
+        assert cli.main(["rollout", "--servers", server.url, "--prompts", str(test), "--out", str(tmp_path / "x")]) == 1
+        assert re.search(r"test\.jsonl: prompts given as messages .* need a tokenizer", capsys.readouterr().err)
+    finally:
+        loop.call_soon_threadsafe(server.kill)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()

@@ -169,3 +169,55 @@ def test_cpu_stub_assign_req_to_token_pool(monkeypatch):
         sgl_kernel.verify_tree_greedy_cpu()
     for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
         del sys.modules[name]
+
+
+FAKE_SGLANG_SHM = """
+import mmap, multiprocessing, os, signal, time
+from multiprocessing import resource_tracker
+
+lock = multiprocessing.get_context("spawn").Lock()  # /dev/shm/sem.mp-*: the resource tracker would unlink it
+path = f"/dev/shm/sglang_loads_fake{os.getpid()}_0.shm"
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+snapshot = mmap.mmap(fd, 4096)  # never unlinked, as SGLang's load snapshot
+
+
+def shutdown(*_):  # as SGLang's: SIGKILL to its children (the resource tracker among them), then exit
+    os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL)
+    os._exit(0)
+
+
+signal.signal(signal.SIGTERM, shutdown)
+print("up", lock._semlock.name, path, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_stopping_a_server_removes_the_shared_memory_files_it_leaves_and_only_those(tmp_path, how):
+    import multiprocessing
+
+    (tmp_path / "fake_server.py").write_text(FAKE_SGLANG_SHM)
+    python = fake_python(tmp_path, f"exec {sys.executable} {tmp_path / 'fake_server.py'}\n")
+    server = SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,
+                                       python=python, log_dir=str(tmp_path))).start()
+    # another run's: a semaphore of this process, a snapshot file nobody has open
+    other_lock = multiprocessing.get_context("spawn").Lock()
+    other_sem = Path(f"/dev/shm/sem.{other_lock._semlock.name[1:]}")  # "/mp-..."
+    other_file = Path(f"/dev/shm/sglang_loads_other{os.getpid()}_0.shm")
+    other_file.write_bytes(b"x")
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in server.log_tail():
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.1)
+        _, name, snapshot = server.log_tail().split()[-3:]
+        sem, snapshot = Path(f"/dev/shm/sem.{name[1:]}"), Path(snapshot)
+        assert sem.exists() and snapshot.exists() and other_sem.exists()
+        server.stop(grace_s=5) if how == "stop" else server.kill()
+        assert not _group_alive(server.process.pid)
+        assert not sem.exists() and not snapshot.exists()
+        assert other_sem.exists() and other_file.exists()
+    finally:
+        server.kill()
+        other_file.unlink(missing_ok=True)

@@ -123,10 +123,12 @@ def test_train_multi_node_flags_are_checked(train_args, capsys, flags, error):
 
 
 def test_train_runs_this_nodes_share_of_the_ranks(train_args, monkeypatch):
+    from megatron_gspo.training import launch
+
     launched = {}
-    monkeypatch.setattr(os, "execve", lambda path, cmd, env: launched.update(cmd=cmd))
-    cli.main(["train", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "n1",
-              "--master-port", "29123", *train_args])
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: launched.update(cmd=args) or 0)
+    assert cli.main(["train", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "n1",
+                     "--master-port", "29123", *train_args]) == 0
     cmd = launched["cmd"]
     value = {flag: cmd[cmd.index(flag) + 1] for flag in ("--nproc-per-node", "--nnodes", "--node-rank",
                                                          "--master-addr", "--master-port")}

@@ -33,3 +33,18 @@ def test_same_spec_same_files_and_a_tokenizer_for_arithmetic(tmp_path):
     config = AutoConfig.from_pretrained(a)
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 0, 0)
     assert len(tok) <= config.vocab_size == spec.vocab_size
+
+
+def test_a_non_empty_output_directory_is_refused(tmp_path, capsys):
+    from megatron_gspo import cli
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_text("an earlier, sharded model")
+    assert cli.main(["tiny-model", str(out)]) == 1
+    assert capsys.readouterr().err.strip() == (f"megatron-gspo tiny-model: error: output directory {out} already "
+                                               "exists and is not empty; refusing to overwrite it")
+    assert [p.name for p in out.iterdir()] == ["model-00001-of-00002.safetensors"]  # nothing written
+    (out / "model-00001-of-00002.safetensors").unlink()
+    assert cli.main(["tiny-model", str(out)]) == 0  # an empty directory is used
+    assert (out / "model.safetensors").is_file()

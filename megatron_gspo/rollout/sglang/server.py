@@ -1,7 +1,8 @@
 """Starting and stopping SGLang servers as subprocesses (or attaching to running ones).
 
 A server runs in its own process group (SGLang forks a scheduler and a detokenizer), so stopping it
-is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a port or memory.
+is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a port or memory; the
+files SGLang leaves in /dev/shm (its own, found through its processes) are removed after it.
 If the process that started a server dies without stopping it (SIGKILL, OOM), the kernel kills the
 server too (Linux parent-death signal; SGLang's own children already follow their parent that way).
 On CPU the server runs from the SGLang virtual environment (scripts/setup_sglang.sh) with the import
@@ -214,15 +215,22 @@ class SGLangServer:
     def kill(self) -> None:
         """SIGKILL the whole process group at once (tests: a server that dies mid-rollout)."""
         if self.process is not None and self.process.poll() is None:
+            leftovers = shm_files_of_group(self.process.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+            deadline = time.monotonic() + 5.0
+            while _group_alive(self.process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            remove_shm_files(leftovers)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after grace_s; returns when all are gone."""
+        """SIGTERM the process group, SIGKILL what is left after grace_s; returns when all are gone, and
+        the shared-memory files SGLang leaves behind are removed (`shm_files_of_group`)."""
         if self.process is None:
             return
         pgid = self.process.pid
+        leftovers = shm_files_of_group(pgid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
         try:
@@ -239,6 +247,7 @@ class SGLangServer:
         deadline = time.monotonic() + 5.0
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.05)
+        remove_shm_files(leftovers)
 
     def __enter__(self) -> "SGLangServer":
         self.start()
@@ -278,6 +287,49 @@ def _group_alive(pgid: int) -> bool:
         if int(pgrp) == pgid and state != "Z":
             return True
     return False
+
+
+SHM_DIR = Path("/dev/shm")
+LEAKED_SHM = ("sem.mp-", "sglang_loads_")
+"""What an SGLang 0.5.23 server leaves in /dev/shm when it stops: its scheduler's load-snapshot file
+(sglang/srt/managers/load_snapshot.py:303, never unlinked) and a multiprocessing semaphore of its
+scheduler (unlinked by Python's resource tracker, which SGLang's shutdown kills: kill_process_tree)."""
+
+
+def shm_files_of_group(pgid: int) -> dict[str, int]:
+    """The /dev/shm files (name -> inode) named like LEAKED_SHM that processes of group pgid have mapped or
+    open: this server's own, never another run's. /proc/PID/maps names a semaphore by the temporary name
+    sem_open created it under, so files are matched by inode."""
+    inodes = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset device inode path
+                if len(fields) == 6 and fields[5].startswith(f"{SHM_DIR}/"):
+                    inodes.add(int(fields[4]))
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).startswith(f"{SHM_DIR}/"):
+                    inodes.add(os.stat(fd).st_ino)
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    found = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM_DIR):
+            with contextlib.suppress(OSError):
+                if entry.name.startswith(LEAKED_SHM) and entry.inode() in inodes:
+                    found[entry.name] = entry.inode()
+    return found
+
+
+def remove_shm_files(files: dict[str, int]) -> None:
+    """Unlink each file of `shm_files_of_group` that still has its inode (once its processes are gone)."""
+    for name, inode in files.items():
+        path = SHM_DIR / name
+        with contextlib.suppress(OSError):
+            if path.stat().st_ino == inode:
+                path.unlink()
 
 
 def health_generate(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> bool:

@@ -1,0 +1,78 @@
+"""Running torchrun for `megatron-gspo train`, and saying in one line which rank failed first, and why.
+
+torchrun runs inside the calling process (`torch.distributed.run.run`, what `python -m torch.distributed.run`
+calls), not as a child: SIGTERM/SIGINT reach torchrun's own handlers exactly as when the CLI exec'd it, and it
+passes them to the ranks (training/preemption.py). A child would need them forwarded, and where every process
+gets the signal anyway (Slurm signals all processes of a step, a terminal all of its foreground group) torchrun
+would get it twice: the second interrupts its wait for the ranks to stop
+(torch/distributed/elastic/agent/server/api.py:752, multiprocessing/api.py:1040) while they save a checkpoint.
+
+Each rank's entry point (training/loop.py `main`) is wrapped in torch's `@record`, which writes an uncaught
+exception (type, message, traceback, time) to the rank's TORCHELASTIC_ERROR_FILE under torchrun's log folder.
+When ranks fail, torchrun raises ChildFailedError with them; instead of its summary, which ends 60-150 lines
+below the cause, the earliest recorded exception is printed last:
+
+    megatron-gspo train: rank 1 failed: ValueError: ...
+
+The log folder is this launch's own temporary folder, removed when torchrun returns (torchrun would otherwise
+leave a /tmp/torchelastic_* folder behind per run).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+
+def run_torchrun(torchrun_args: list[str], *, prog: str = "megatron-gspo train") -> int:
+    """torchrun with `torchrun_args` (e.g. ["--nproc-per-node", "2", "-m", "megatron_gspo.training.loop", ...])
+    in this process: 0 when every rank succeeded; else 1, torchrun's code, after one line saying why (the first
+    failure, or the signal that stopped the run)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    log_dir = tempfile.mkdtemp(prefix="megatron-gspo-torchrun-")
+    try:
+        run(parse_args(["--log-dir", log_dir, *torchrun_args]))
+    except ChildFailedError as e:
+        print(f"{prog}: {first_failure(e.failures)}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:  # torchrun passed it to the ranks and waited for them (they checkpoint)
+        print(f"{prog}: stopped by {e.sigval.name}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 0
+
+
+def first_failure(failures: dict) -> str:
+    """One line for the rank that failed first: `failures` maps global ranks to torchrun's ProcessFailure.
+
+    Ranks that recorded an exception come before ranks that died without one (a signal, os._exit), and among
+    them the earliest error file written wins (its modification time: the recorded timestamps are whole
+    seconds). The other ranks failed later, often because of the first (their tracebacks are above).
+    """
+    def order(rank: int):
+        failure = failures[rank]
+        try:
+            return 0, os.stat(failure.error_file).st_mtime_ns, rank
+        except OSError:  # no error file ("<N/A>")
+            return 1, failure.timestamp * 10**9, rank
+
+    first = min(failures, key=order)
+    failure = failures[first]
+    if order(first)[0] == 0:
+        message = failure.message  # the error file's {"message": "Type: text", "extraInfo": {...}}
+        lines = (message["message"] if isinstance(message, dict) else message).splitlines() or ["(no message)"]
+        what = lines[0] + (f" [{len(lines) - 1} more lines in its traceback above]" if len(lines) > 1 else "")
+    elif failure.exitcode < 0:
+        try:
+            what = f"killed by signal {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            what = f"killed by signal {-failure.exitcode}"
+    else:
+        what = f"exited with code {failure.exitcode} without recording an exception (see its output above)"
+    return f"rank {first} failed: {what}"
