@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.torchrun import run_checks
 from megatron_gspo.convert import convert_hf_to_mcore
 from tests.tiny_hf import hf_logprobs, save_tiny
-from tests.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "convert_load.py"
 KINDS = {"moe": "100KB", "moe_no_norm_topk": None, "dense_tied": None}  # kind: max_shard_size

@@ -4,7 +4,7 @@ megatron-core 0.16.1 itself still makes), a recompute + train step, compute_logp
 MegatronGenerator.generate run and give the numbers an identical model gives with the globals."""
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = "tests/distributed/workers/explicit_groups.py"
 CHECKS = ("getters forbidden", "train step", "compute_logprobs", "generate")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.torchrun import run_checks
 from tests.tiny_hf import save_tiny
-from tests.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "megatron_rollout.py"
 LAYOUTS = {"tp2": (2, 1, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 2, 1, 1), "cp2": (1, 1, 1, 2)}  # TP PP EP CP

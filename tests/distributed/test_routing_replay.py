@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "routing_replay.py"
 CHECKS = 13  # per rank, reference included: 9 in each run's own checks + 4 comparisons
