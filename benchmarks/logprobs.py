@@ -51,8 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's package, also where another is installed
 
 from benchmarks.rss import mem_kb, reset_peak_rss  # noqa: E402
+from devtools.torchrun import torchrun  # noqa: E402  (the repository root is on sys.path above)
 from megatron_gspo.loss import logprobs as logprobs_module  # noqa: E402
-from tests.torchrun import torchrun  # noqa: E402  (the repository root is on sys.path above)
 
 BASELINE_REV = "8824b49"  # the last commit with three autograd Functions (issue 10)
 

@@ -140,7 +140,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from tests.torchrun import torchrun
+    from devtools.torchrun import torchrun
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"

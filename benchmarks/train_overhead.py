@@ -120,6 +120,7 @@ sys.path.insert(0, str(REPO))  # this checkout's package, also where another is 
 
 # noqa: E402 below: these need the path above
 from benchmarks.rss import mem_kb, reset_peak_rss  # noqa: E402
+from devtools.torchrun import torchrun  # noqa: E402
 from megatron_gspo.config import OptimizerConfig, ParallelConfig  # noqa: E402
 from megatron_gspo.loss.advantages import group_advantages  # noqa: E402
 from megatron_gspo.model.gpt import build_model, padded_vocab_size, transformer_config  # noqa: E402
@@ -135,7 +136,6 @@ from megatron_gspo.training.step import _optimizer_step  # noqa: E402
 
 SHORT = {"loss/value": "loss", "loss": "loss", "train/entropy": "entropy", "train/grad_norm": "grad_norm"}
 """The record keys shown, by their short names."""
-from tests.torchrun import torchrun  # noqa: E402
 
 
 @dataclass(frozen=True)

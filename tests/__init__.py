@@ -1,1 +1,3 @@
-"""The test suite, a package so that tests, benchmarks and tools can `import tests.torchrun`."""
+"""The test suite, a package so that test files can import shared helpers as `tests.*` (tests/tiny_hf.py,
+tests/sglang/sglang_test_utils.py). The torchrun launcher the tests share with the benchmarks is
+devtools/torchrun.py."""

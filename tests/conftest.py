@@ -1,5 +1,6 @@
-"""Puts the repository root on sys.path, so every test can import `tests.*` (tests/torchrun.py,
-tests/tiny_hf.py) whatever pytest's import mode and however pytest was started."""
+"""Puts the repository root on sys.path, so every test can import `tests.*` (tests/tiny_hf.py) and
+`devtools.*` (devtools/torchrun.py, the launcher) whatever pytest's import mode and however pytest was
+started."""
 import sys
 from pathlib import Path
 

@@ -15,17 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.torchrun import run_checks
 from megatron_gspo.convert import convert_hf_to_mcore
 from tests.tiny_hf import hf_logprobs, save_tiny
-from tests.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "convert_load.py"
 KINDS = {"moe": "100KB", "moe_no_norm_topk": None, "dense_tied": None}  # kind: max_shard_size
 
+# processes: {the worker's step (KIND[:key=value,...]): its checks}. Loading (check=load, the default): log-probs,
+# export on every rank, export to one rank; resave=1: one more; check=parity: one.
 LAUNCHES = {
-    2: ["moe:dp", "moe:tp2", "moe:ep2", "moe:pp2", "moe_no_norm_topk:ep2", "moe_no_norm_topk:tp2",
-        "dense_tied:dp", "dense_tied:tp2", "parity=moe:tp2"],
-    4: ["moe_no_norm_topk:tp2xep2", "moe:tp2xep2", "--resave"],
+    2: {"moe": 3, "moe:tp=2": 3, "moe:ep=2": 3, "moe:pp=2": 3, "moe_no_norm_topk:ep=2": 3, "moe_no_norm_topk:tp=2": 3,
+        "dense_tied": 3, "dense_tied:tp=2": 3, "moe:tp=2,check=parity": 1},
+    4: {"moe_no_norm_topk:tp=2,ep=2": 3, "moe:tp=2,ep=2,resave=1": 4},
 }
 
 
@@ -45,7 +47,5 @@ def workdir(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc", LAUNCHES)
 def test_converted_checkpoint_loads_and_matches_transformers(workdir, nproc):
-    pairs = LAUNCHES[nproc]
-    # KIND:LAYOUT: log-probs, export on every rank, export to one rank; --resave, parity=...: one each
-    checks = sum(1 if pair == "--resave" or pair.startswith("parity=") else 3 for pair in pairs)
-    run_checks(WORKER, nproc, workdir, *pairs, checks=checks, timeout=300)
+    steps = LAUNCHES[nproc]
+    run_checks(WORKER, nproc, workdir, *steps, checks=sum(steps.values()), timeout=300)

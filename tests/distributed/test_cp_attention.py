@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "cp_attention_worker.py"
 

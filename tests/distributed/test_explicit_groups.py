@@ -4,18 +4,18 @@ megatron-core 0.16.1 itself still makes), a recompute + train step, compute_logp
 MegatronGenerator.generate run and give the numbers an identical model gives with the globals."""
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = "tests/distributed/workers/explicit_groups.py"
 CHECKS = ("getters forbidden", "train step", "compute_logprobs", "generate")
 
-# name: (tp, pp, cp, ep, model)
+# name: the worker's key=value arguments (tp, pp, cp, ep 1 and model dense where absent)
 LAYOUTS = {
-    "tp2": ("2", "1", "1", "1", "dense"),
-    "pp2": ("1", "2", "1", "1", "dense"),
-    "cp2": ("1", "1", "2", "1", "dense"),
-    "tp2_moe": ("2", "1", "1", "1", "moe"),
-    "ep2_moe": ("1", "1", "1", "2", "moe"),
+    "tp2": "tp=2",
+    "pp2": "pp=2",
+    "cp2": "cp=2",
+    "tp2_moe": "tp=2 model=moe",
+    "ep2_moe": "ep=2 model=moe",
 }
 
 
@@ -23,4 +23,4 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", [
     "tp2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("pp2", "cp2", "tp2_moe", "ep2_moe"))])
 def test_no_global_process_groups(name):
-    run_checks(WORKER, 2, *LAYOUTS[name], checks=len(CHECKS), timeout=240)
+    run_checks(WORKER, 2, *LAYOUTS[name].split(), checks=len(CHECKS), timeout=240)

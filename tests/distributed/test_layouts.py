@@ -9,33 +9,34 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "layouts.py"
 
-# name: (processes, tp, pp, cp, ep, micro-batches per DP rank); the reference is TP1, 1 micro-batch.
+# name: (processes, the worker's key=value arguments: tp, pp, cp, ep and micro-batches per DP rank, 1 where
+# absent); the reference is TP1, 1 micro-batch.
 LAYOUTS = {
-    "tp2": (2, 2, 1, 1, 1, 1),
-    "ep2": (2, 1, 1, 1, 2, 1),
-    "pp2": (2, 1, 2, 1, 1, 2),
-    "cp2": (2, 1, 1, 2, 1, 1),
-    "dp2": (2, 1, 1, 1, 1, 1),
-    "tp2xep2": (4, 2, 1, 1, 2, 1),
-    "tp2xpp2": (4, 2, 2, 1, 1, 4),
-    "dp2xcp2": (4, 1, 1, 2, 1, 2),
-    "microbatches4": (1, 1, 1, 1, 1, 4),
+    "tp2": (2, "tp=2"),
+    "ep2": (2, "ep=2"),
+    "pp2": (2, "pp=2 microbatches=2"),
+    "cp2": (2, "cp=2"),
+    "dp2": (2, ""),
+    "tp2xep2": (4, "tp=2 ep=2"),
+    "tp2xpp2": (4, "tp=2 pp=2 microbatches=4"),
+    "dp2xcp2": (4, "cp=2 microbatches=2"),
+    "microbatches4": (1, "microbatches=4"),
 }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("layouts")
-    run_checks(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 1, checks=1, timeout=300)
+    run_checks(WORKER, 1, workdir, "reference", checks=1, timeout=300)
     return workdir
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_tp1_reference(reference, name):
-    nproc, *layout = LAYOUTS[name]
-    run_checks(WORKER, nproc, reference, name, *layout, checks=5, timeout=300)
+    nproc, args = LAYOUTS[name]
+    run_checks(WORKER, nproc, reference, name, *args.split(), checks=5, timeout=300)

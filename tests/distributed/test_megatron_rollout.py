@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from devtools.torchrun import run_checks
 from tests.tiny_hf import save_tiny
-from tests.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "megatron_rollout.py"
-LAYOUTS = {"tp2": (2, 1, 1, 1), "ep2": (1, 1, 2, 1), "pp2": (1, 2, 1, 1), "cp2": (1, 1, 1, 2)}  # TP PP EP CP
+LAYOUTS = {"tp2": "tp=2", "ep2": "ep=2", "pp2": "pp=2", "cp2": "cp=2"}  # the worker's key=value arguments
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("megatron_rollout")
     save_tiny(path / "hf", "moe")
     # the 4 checks of every layout, and the log-probs against the model's logits
-    run_checks(WORKER, 1, path, "reference", 1, 1, 1, checks=5, timeout=240)
+    run_checks(WORKER, 1, path, "reference", checks=5, timeout=240)
     return path
 
 
@@ -37,7 +37,7 @@ def test_reference_logprobs_are_the_models(workdir):
 @pytest.mark.parametrize("name", ["tp2", "ep2", pytest.param("pp2", marks=pytest.mark.slow),
                                   pytest.param("cp2", marks=pytest.mark.slow)])
 def test_layout_samples_like_one_process(workdir, name):
-    run_checks(WORKER, 2, workdir, name, *LAYOUTS[name], checks=4, timeout=240)
+    run_checks(WORKER, 2, workdir, name, *LAYOUTS[name].split(), checks=4, timeout=240)
     reference = json.loads((workdir / "reference.json").read_text())
     result = json.loads((workdir / f"{name}.json").read_text())
     for run in ("a", "b", "c"):

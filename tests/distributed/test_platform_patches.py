@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.torchrun import run_checks
 from megatron_gspo.platform.cpu import PATCHES
-from tests.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "platform_patches.py"
 

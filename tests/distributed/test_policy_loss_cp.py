@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "policy_loss_cp.py"
 

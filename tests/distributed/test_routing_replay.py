@@ -10,30 +10,30 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "routing_replay.py"
 CHECKS = 13  # per rank, reference included: 9 in each run's own checks + 4 comparisons
 
-# name: (processes, tp, pp, cp, ep, max tokens per micro-batch[, packed rows]); 64 tokens: 3-4 micro-batches per
-# mini-batch.
+# name: (processes, the worker's key=value arguments: tp, pp, cp, ep (1 where absent), max tokens per
+# micro-batch (8192 where absent; 64 tokens: 3-4 micro-batches per mini-batch), packed=1: packed rows).
 LAYOUTS = {
-    "microbatches4": (1, 1, 1, 1, 1, 64),
-    "ep2": (2, 1, 1, 1, 2, 8192),
-    "ep2_microbatches4": (2, 1, 1, 1, 2, 64),
-    "tp2xep2": (4, 2, 1, 1, 2, 8192),
-    "pp2": (2, 1, 2, 1, 1, 64),
-    "cp2": (2, 1, 1, 2, 1, 8192),
-    "packed_microbatches4": (1, 1, 1, 1, 1, 64, 1),
-    "packed_ep2": (2, 1, 1, 1, 2, 64, 1),
-    "packed_cp2": (2, 1, 1, 2, 1, 64, 1),
+    "microbatches4": (1, "max_tokens=64"),
+    "ep2": (2, "ep=2"),
+    "ep2_microbatches4": (2, "ep=2 max_tokens=64"),
+    "tp2xep2": (4, "tp=2 ep=2"),
+    "pp2": (2, "pp=2 max_tokens=64"),
+    "cp2": (2, "cp=2"),
+    "packed_microbatches4": (1, "max_tokens=64 packed=1"),
+    "packed_ep2": (2, "ep=2 max_tokens=64 packed=1"),
+    "packed_cp2": (2, "cp=2 max_tokens=64 packed=1"),
 }
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("routing_replay")
-    run_checks(WORKER, 1, workdir, "reference", 1, 1, 1, 1, 8192, checks=CHECKS - 4, timeout=300)
+    run_checks(WORKER, 1, workdir, "reference", checks=CHECKS - 4, timeout=300)
     return workdir
 
 
@@ -48,25 +48,26 @@ def layouts(names):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", layouts(LAYOUTS))
 def test_routing_replay_matches_tp1_reference(reference, name):
-    nproc, *layout = LAYOUTS[name]
-    run_checks(WORKER, nproc, reference, name, *layout, checks=CHECKS + (len(layout) > 5), timeout=300)
+    nproc, args = LAYOUTS[name]
+    packed = "packed=1" in args.split()  # one more check: responses are packed several to a row
+    run_checks(WORKER, nproc, reference, name, *args.split(), checks=CHECKS + packed, timeout=300)
 
 
 ROLLOUT_WORKER = Path(__file__).parent / "workers" / "rollout_routing.py"
-ROLLOUT_LAYOUTS = {  # name: (processes, tp, pp, cp, ep[, packed rows])
-    "tp2": (2, 2, 1, 1, 1),
-    "cp2": (2, 1, 1, 2, 1),
-    "pp2": (2, 1, 2, 1, 1),
-    "ep2": (2, 1, 1, 1, 2),
-    "packed": (1, 1, 1, 1, 1, 1),
-    "packed_ep2": (2, 1, 1, 1, 2, 1),
+ROLLOUT_LAYOUTS = {  # name: (processes, the worker's key=value arguments: tp, pp, cp, ep, packed=1: packed rows)
+    "tp2": (2, "tp=2"),
+    "cp2": (2, "cp=2"),
+    "pp2": (2, "pp=2"),
+    "ep2": (2, "ep=2"),
+    "packed": (1, "packed=1"),
+    "packed_ep2": (2, "ep=2 packed=1"),
 }
 
 
 @pytest.fixture(scope="module")
 def rollout_reference(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("rollout_routing")
-    run_checks(ROLLOUT_WORKER, 1, workdir, "reference", 1, 1, 1, 1, checks=5, timeout=300)
+    run_checks(ROLLOUT_WORKER, 1, workdir, "reference", checks=5, timeout=300)
     return workdir
 
 
@@ -74,5 +75,6 @@ def rollout_reference(tmp_path_factory):
 @pytest.mark.parametrize("name", layouts(ROLLOUT_LAYOUTS))
 def test_rollout_routing_replay_with_the_megatron_sampler(rollout_reference, name):
     """gspo.routing_replay=rollout: the sampler's recorded routing (same at every layout), replayed by the trainer."""
-    nproc, *layout = ROLLOUT_LAYOUTS[name]
-    run_checks(ROLLOUT_WORKER, nproc, rollout_reference, name, *layout, checks=5 + (len(layout) > 4), timeout=300)
+    nproc, args = ROLLOUT_LAYOUTS[name]
+    packed = "packed=1" in args.split()  # one more check: responses are packed several to a row
+    run_checks(ROLLOUT_WORKER, nproc, rollout_reference, name, *args.split(), checks=5 + packed, timeout=300)

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_checks
+from devtools.torchrun import run_checks
 
 WORKER = Path(__file__).parent / "workers" / "train_step.py"
 
-# name: (tp, pp, ep, model, cp)
+# name: the worker's key=value arguments (tp, pp, cp, ep 1 and model dense where absent; dp = the other ranks)
 LAYOUTS = {
-    "dp2": ("1", "1", "1", "dense", "1"),
-    "tp2": ("2", "1", "1", "dense", "1"),
-    "pp2": ("1", "2", "1", "dense", "1"),
-    "cp2": ("1", "1", "1", "dense", "2"),
-    "ep2_moe": ("1", "1", "2", "moe", "1"),
+    "dp2": "",
+    "tp2": "tp=2",
+    "pp2": "pp=2",
+    "cp2": "cp=2",
+    "ep2_moe": "ep=2 model=moe",
 }
 
 
@@ -26,4 +26,4 @@ LAYOUTS = {
 def test_train_on_batch(name):
     # microbatch invariance, on-policy first mini-batch, train-rollout gap, loss decreases, entropy,
     # fused recompute = per-mini-batch recompute, packed rows = one response per row
-    run_checks(WORKER, 2, *LAYOUTS[name], checks=7, timeout=240)
+    run_checks(WORKER, 2, *LAYOUTS[name].split(), checks=7, timeout=240)

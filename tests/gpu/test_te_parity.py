@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from gpu_requirements import cuda_missing, skip_unless, te_missing
+from devtools.torchrun import run_checks
 from megatron_gspo.convert import convert_hf_to_mcore
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 from tests.tiny_hf import hf_logprobs
-from tests.torchrun import run_checks
 
 pytestmark = [pytest.mark.gpu, *skip_unless(cuda_missing(), te_missing())]
 WORKER = Path(__file__).parent / "workers" / "te_parity.py"

@@ -1,4 +1,4 @@
-"""Named checks for the torchrun workers, and how the launcher reads their results.
+"""Named checks for the torchrun workers: the worker's half (the launcher's is devtools/check_report.py).
 
 A worker runs each check under a name, as a block or a function:
 
@@ -11,23 +11,21 @@ A worker runs each check under a name, as a block or a function:
 and calls `done()` at its end. A failing check raises `CheckFailed` ("check 'loss matches the
 reference' failed on rank 1: AssertionError: ... (layouts.py:97)"), so the process exits non-zero, and
 first prints that sentence on one tagged line. `done()` prints "N checks passed" for this rank.
-tests/torchrun.py reads both from the launch's output (`failures`, `passed_counts`): a failed launch
-names its failed checks, and a test asserts how many checks each rank passed, so a worker that skipped
-some fails too. One launch runs many checks (a launch costs ~10 s); the first failure ends it.
+devtools/torchrun.py reads both from the launch's output (`failures`, `passed_counts` of
+devtools/check_report.py, which defines the lines' format): a failed launch names its failed checks,
+and a test asserts how many checks each rank passed, so a worker that skipped some fails too. One
+launch runs many checks (a launch costs ~10 s); the first failure ends it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
 
-TAG = "[checks]"
-# Found anywhere in a line: another rank's unfinished line may precede a report.
-_PASSED = re.compile(rf"{re.escape(TAG)} rank (\d+): (\d+) checks passed$", re.MULTILINE)
-_FAILED = re.compile(rf"{re.escape(TAG)} (check .*)$", re.MULTILINE)
+from devtools.check_report import failed_line, passed_line
+
 _WORKERS = Path(__file__).resolve().parent
 _passed: list[str] = []
 
@@ -56,15 +54,14 @@ def check(name: str):
     except Exception as error:
         text = f"{type(error).__name__}: {error}".strip().rstrip(":")
         message = f"check {name!r} failed on rank {_rank()}: {text}{_where(error)}"
-        # One line in the output for the launcher; the full text in the traceback.
-        _report(f"{TAG} {' | '.join(line for line in message.splitlines() if line.strip())[:2000]}")
+        _report(failed_line(message))  # one line for the launcher; the full text is in the traceback
         raise CheckFailed(message) from error
     _passed.append(name)
 
 
 def done() -> None:
     """Report how many checks this rank passed (the test compares it with what it expects)."""
-    _report(f"{TAG} rank {_rank()}: {len(_passed)} checks passed")
+    _report(passed_line(_rank(), len(_passed)))
 
 
 def shutdown() -> None:
@@ -85,12 +82,3 @@ def _report(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
-
-def failures(output: str) -> list[str]:
-    """The failed checks' messages in a launch's output, in order, each once."""
-    return list(dict.fromkeys(_FAILED.findall(output)))
-
-
-def passed_counts(output: str) -> dict[int, int]:
-    """rank -> number of checks it passed, from the ranks that reached `done()`."""
-    return {int(rank): int(n) for rank, n in _PASSED.findall(output)}

@@ -1,20 +1,24 @@
 """Converted HF checkpoints loaded into this project's Megatron model, layout after layout, in one launch.
 
-usage: torchrun --nproc-per-node N convert_load.py WORKDIR KIND:LAYOUT [KIND:LAYOUT | --resave | parity=KIND:LAYOUT ...]
+usage: torchrun --nproc-per-node N convert_load.py WORKDIR STEP [STEP ...]
+STEP: KIND[:key=value,...] with keys tp, pp, cp, ep (1 where absent; dp takes the other ranks:
+trainer_common.worker_args), check=load|parity (load where absent) and resave=0|1 (0 where absent),
+e.g. `moe` (every rank a full model), `moe:tp=2,ep=2,resave=1`, `moe:tp=2,check=parity`.
 
 WORKDIR/KIND holds `hf/` (transformers' save_pretrained), `mcore/` (our conversion of it) and
-`ref.pt` (tokens and transformers' float32 per-token log-probs). LAYOUT is "dp" (TP1, every rank a
-full model) or parts joined by "x" among tp2, pp2, ep2. For each pair, on every rank:
+`ref.pt` (tokens and transformers' float32 per-token log-probs). For each step, in order, on every rank:
+check=load (3 checks):
   1. build the model (`build_model`, local spec on CPU) and load the converted checkpoint into it
      (`load_weights`: `dist_checkpointing.load` of exactly the keys the model asks for);
   2. per-token log-probs (the training forward step: `vocab_parallel_logprobs` on vocab-sharded
      logits, last pipeline stage) match transformers' within 1e-4;
   3. `iter_hf_tensors` yields every HF tensor of the checkpoint, bitwise equal, on every rank, and
      with dst=<last rank> on that rank only.
-parity=KIND:LAYOUT runs `check_parity` (the library behind tools/check_hf_mcore_parity.py).
---resave (with the model and layout of the pair before it): Megatron saves the loaded model itself
-(sharded in that layout, vocabulary padded), and rank 0 exports it with `convert_mcore_to_hf`:
-every tensor must equal the original HF checkpoint bitwise.
+resave=1 (after check=load; 1 check more): Megatron saves the loaded model itself (sharded in that
+layout, vocabulary padded), and rank 0 exports it with `convert_mcore_to_hf`: every tensor must equal
+the original HF checkpoint bitwise.
+check=parity (1 check) runs `check_parity` (the library behind tools/check_hf_mcore_parity.py) instead.
+Checks name a layout as its sizes above 1 joined by "x" ("tp2xep2"), or "dp".
 """
 from __future__ import annotations
 
@@ -35,23 +39,20 @@ from megatron_gspo.training.forward_step import LossSettings, logprobs_forward_s
 from megatron_gspo.microbatch import MicroBatch
 
 from checks import check, done
-from trainer_common import parallel_layout
+from trainer_common import LAYOUT_KEYS, worker_args
 
 TOLERANCE = 1e-4
 
 
-def parse_layout(text: str) -> ParallelConfig:
-    """"dp" (every rank data-parallel) or e.g. "tp2xep2"; dp takes the rest of the world."""
-    if text == "dp":
-        return parallel_layout()
-    return parallel_layout(**{part[:2]: int(part[2:]) for part in text.split("x")})
+def label(layout: ParallelConfig) -> str:
+    """e.g. "tp2xep2": the sizes above 1 joined by "x"; "dp" if every rank holds a full model."""
+    return "x".join(f"{key}{getattr(layout, key)}" for key in LAYOUT_KEYS if getattr(layout, key) > 1) or "dp"
 
 
-def load_and_check(workdir: Path, kind: str, layout_name: str):
+def load_and_check(workdir: Path, kind: str, layout: ParallelConfig, layout_name: str):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    layout = parse_layout(layout_name)
     shape = read_hf_config(workdir / kind / "hf")
     pgs = init_megatron(layout)
     where = f"[{kind}:{layout_name} rank {dist.get_rank()}]"
@@ -123,12 +124,11 @@ def resave_and_export(workdir: Path, kind: str, module, layout_name: str) -> Non
     dist.barrier()
 
 
-def parity(workdir: Path, kind: str, layout_name: str) -> None:
+def parity(workdir: Path, kind: str, layout: ParallelConfig, layout_name: str) -> None:
     """The library behind tools/check_hf_mcore_parity.py, run on the converted checkpoint."""
     from megatron_gspo.convert.parity import check_parity
 
-    report = check_parity(workdir / kind / "hf", workdir / kind / "mcore", parse_layout(layout_name),
-                          seq_len=64)
+    report = check_parity(workdir / kind / "hf", workdir / kind / "mcore", layout, seq_len=64)
     with check(f"parity {kind}:{layout_name}: check_parity within {TOLERANCE}, every argmax agrees"):
         if dist.get_rank() == 0:  # the report's rank
             assert report is not None, "check_parity returned no report on rank 0"
@@ -138,14 +138,18 @@ def parity(workdir: Path, kind: str, layout_name: str) -> None:
 
 def main() -> None:
     workdir = Path(sys.argv[1])
-    for arg in sys.argv[2:]:
-        if arg == "--resave":
-            resave_and_export(workdir, kind, module, layout_name)
-        elif arg.startswith("parity="):
-            parity(workdir, *arg.removeprefix("parity=").split(":"))
+    for step in sys.argv[2:]:
+        kind, _, args = step.partition(":")
+        layout, options = worker_args(args.split(",") if args else [], check="load", resave=False)
+        name = label(layout)
+        if options.check == "load":
+            module = load_and_check(workdir, kind, layout, name)
+            if options.resave:
+                resave_and_export(workdir, kind, module, name)
+        elif options.check == "parity" and not options.resave:
+            parity(workdir, kind, layout, name)
         else:
-            kind, layout_name = arg.split(":")
-            module = load_and_check(workdir, kind, layout_name)
+            raise ValueError(f"step {step!r}: check is load or parity, and resave=1 needs check=load")
     done()
 
 if __name__ == "__main__":

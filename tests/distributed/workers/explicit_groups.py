@@ -1,7 +1,8 @@
 """A train step, compute_logprobs and MegatronGenerator.generate with Megatron's global process-group
 getters made to raise: every process group comes from init_megatron's collection (`pgs`).
 
-usage: torchrun --nproc-per-node 2 explicit_groups.py TP PP CP EP MODEL     (MODEL: dense | moe)
+usage: torchrun --nproc-per-node 2 explicit_groups.py [tp=N] [pp=N] [cp=N] [ep=N] [model=dense|moe]
+(1 and dense where absent; dp takes the other ranks: trainer_common.worker_args)
 
 As Megatron-Core's tests of `tensor_parallel/cross_entropy.py` do, the getters of
 `megatron.core.parallel_state` are replaced by functions that raise once the model, its optimizer
@@ -33,7 +34,7 @@ from megatron_gspo.training.step import compute_logprobs, train_on_batch
 from megatron_gspo.samples import Prompt
 
 from checks import check, done
-from trainer_common import RECOMPUTE, parallel_layout, steps, synthetic_responses, tiny_model
+from trainer_common import RECOMPUTE, steps, synthetic_responses, tiny_model, worker_args
 
 
 def _anywhere(caller) -> bool:
@@ -111,10 +112,9 @@ def say(msg: str) -> None:
 
 
 def main() -> None:
-    tp, pp, cp, ep = map(int, sys.argv[1:5])
-    preset = "tiny_moe" if sys.argv[5] == "moe" else "tiny_dense"
+    layout, options = worker_args(sys.argv[1:], model="dense")
+    preset = {"dense": "tiny_dense", "moe": "tiny_moe"}[options.model]
     shape = PRESETS[preset]
-    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
     pgs = init_megatron(layout, seed=1)
     loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     settings = steps(loss, num_minibatches=2, max_tokens_per_microbatch=64)

@@ -1,6 +1,8 @@
 """One launch per parallel layout: per-token log-probs and one full GSPO step, compared with TP1.
 
-usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME TP PP CP EP MICROBATCHES [ALGORITHM]
+usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [microbatches=N]
+                                                            [algorithm=gspo|gspo_token|grpo]
+(1, 1 micro-batch per DP rank and gspo where absent; dp takes the other ranks: trainer_common.worker_args)
 
 NAME "reference" (one process, TP1): builds the tiny Qwen3-MoE from a seed, saves WORKDIR/init,
 recomputes old log-probs (forward only), runs one GSPO step (loss, backward, SGD step) and saves
@@ -32,7 +34,7 @@ from megatron_gspo.training.forward_step import (LossSettings, logprobs_forward_
 from megatron_gspo.microbatch import MicroBatch
 
 from checks import check, done
-from trainer_common import parallel_layout
+from trainer_common import worker_args
 
 B, S, G = 8, 32, 4
 # Per-sequence shift of the old log-probs: log s_i = -shift_i. Inside the band (|.| <= 1e-4) or well
@@ -58,12 +60,10 @@ def global_batch(vocab: int):
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    tp, pp, cp, ep, num_mb = map(int, sys.argv[3:8])
-    algorithm = sys.argv[8] if len(sys.argv) > 8 else "gspo"
-    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo")
     pgs = init_megatron(layout, seed=1234)
     model, module, init_params = load_model(workdir, name, layout, pgs)
-    step = gspo_step(model, cp, num_mb, algorithm)
+    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm)
     if name == "reference":
         save_reference(workdir, module, step)
     else:

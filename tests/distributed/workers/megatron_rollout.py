@@ -1,6 +1,7 @@
 """The in-process Megatron sampler under one parallel layout (one launch runs every check).
 
-usage: torchrun --nproc-per-node N megatron_rollout.py WORKDIR NAME TP PP EP [CP]
+usage: torchrun --nproc-per-node N megatron_rollout.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N]
+(1 where absent; dp takes the other ranks: trainer_common.worker_args)
 
 WORKDIR/hf holds a tiny Qwen3-MoE (tests/tiny_hf.py, 4 experts top-2, vocab 300 padded to 384 or
 512). NAME "reference" (one process) converts it into WORKDIR/mcore first. Every layout loads
@@ -15,14 +16,13 @@ WORKDIR/NAME.json for the test to compare with the reference:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.config import GSPOConfig, ModelConfig, ParallelConfig, RolloutConfig, SamplingConfig, TrainConfig
+from megatron_gspo.config import GSPOConfig, ModelConfig, RolloutConfig, SamplingConfig, TrainConfig
 from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.parallel.groups import init_megatron
@@ -31,6 +31,7 @@ from megatron_gspo.training.setup import build_policy
 from megatron_gspo.samples import Prompt
 
 from checks import check, done
+from trainer_common import worker_args
 
 TEMPERATURE, VOCAB, N = 0.8, 300, 3
 
@@ -75,11 +76,8 @@ def check_against_full_logits(model, groups, top_k: int | None = None) -> float:
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    tp, pp, ep = map(int, sys.argv[3:6])
-    cp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
-    world = int(os.environ["WORLD_SIZE"])
-    config = TrainConfig(model=ModelConfig(hf_path=str(workdir / "hf"), dtype="float32"),
-                         parallel=ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, dp=world // (tp * pp * cp)),
+    layout, _ = worker_args(sys.argv[3:])
+    config = TrainConfig(model=ModelConfig(hf_path=str(workdir / "hf"), dtype="float32"), parallel=layout,
                          gspo=GSPOConfig(group_size=N, prompts_per_step=5, num_minibatches=1),
                          rollout=RolloutConfig(backend="megatron"), seed=99, num_steps=1)
     pgs = init_megatron(config.parallel, seed=config.seed)

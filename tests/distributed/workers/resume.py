@@ -1,10 +1,12 @@
 """Exact resume: an interrupted and resumed run ends with the same parameters as an uninterrupted one.
 
-usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE TP [distopt|moe_replay|async]
-(`distopt`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks;
-`moe_replay`: the tiny Qwen3-MoE, experts over 2 ranks (EP2), GRPO with routing_replay="old";
-`async`: checkpoints written in the background (BackgroundSaves, checkpoint.async_save), step 3 trained
-while step 2's is still unpublished, and the crash a real one during step 3's background save.)
+usage: torchrun --nproc-per-node 2 resume.py WORKDIR PHASE [tp=N] [pp=N] [cp=N] [ep=N] [model=dense|moe]
+                                            [distributed_optimizer=0|1] [async_save=0|1]
+(1, dense and 0 where absent; dp takes the other ranks: trainer_common.worker_args)
+(`distributed_optimizer=1`: Megatron's distributed optimizer, Adam state sharded over data-parallel ranks;
+`model=moe`: the tiny Qwen3-MoE (with `ep=2`: experts over 2 ranks), GRPO with routing_replay="old";
+`async_save=1`: checkpoints written in the background (BackgroundSaves, checkpoint.async_save), step 3
+trained while step 2's is still unpublished, and the crash a real one during step 3's background save.)
 PHASE "run": (A) trains 4 rollout steps uninterrupted and saves its final parameters as the reference;
   (B) from the same seed trains 2 steps, checkpointing after each (keep_last=1), starts step 3, leaves a
   half-written iter_0000003.tmp behind as a crashed save would, and exits without any clean-up (os._exit).
@@ -35,12 +37,9 @@ from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_sourc
 from megatron_gspo.training.step import train_on_batch
 
 from checks import check, done
-from trainer_common import SHAPE, parallel_layout, params, synthetic_responses, tiny_model
+from trainer_common import SHAPE, params, synthetic_responses, tiny_model, worker_args
 
 STEPS, K, GROUP = 4, 2, 4
-DISTRIBUTED_OPTIMIZER = sys.argv[4:5] == ["distopt"]
-MOE_REPLAY = sys.argv[4:5] == ["moe_replay"]
-ASYNC_SAVE = sys.argv[4:5] == ["async"]
 
 
 class SyntheticData:
@@ -59,65 +58,66 @@ class SyntheticData:
                 for g in torch.randperm(2).tolist() for r in groups[g]]
 
 
-def setup(layout, pgs, seed):
+def setup(layout, pgs, seed, options):
     model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=seed, lr=2e-3, total_steps=STEPS * K,
                                              schedule="cosine", warmup_steps=2, min_lr=1e-4,
-                                             distributed_optimizer=DISTRIBUTED_OPTIMIZER,
-                                             preset="tiny_moe" if MOE_REPLAY else "tiny_dense")
+                                             distributed_optimizer=options.distributed_optimizer,
+                                             preset={"dense": "tiny_dense", "moe": "tiny_moe"}[options.model])
     return model, optimizer, scheduler
 
 
-def train(model, optimizer, scheduler, data, steps, settings):
-    source = old_logprobs_source(GSPOConfig(routing_replay="old" if MOE_REPLAY else "off"), MoERouting.attach(model))
+def train(model, optimizer, scheduler, data, steps, settings, options):
+    moe = options.model == "moe"
+    source = old_logprobs_source(GSPOConfig(routing_replay="old" if moe else "off"), MoERouting.attach(model))
     for _ in range(steps):
         records = train_on_batch(model, optimizer, data.next_batch(), settings, source, pgs=model_process_groups(model),
                                  scheduler=scheduler)
-        if MOE_REPLAY:
+        if moe:
             assert all("moe/routing_changed_fraction" in r for r in records), records
 
 
 def main():
-    workdir, phase, tp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    layout = parallel_layout(tp=tp, ep=2 if MOE_REPLAY else 1)
+    workdir, phase = Path(sys.argv[1]), sys.argv[2]
+    layout, options = worker_args(sys.argv[3:], model="dense", distributed_optimizer=False, async_save=False)
     pgs = init_megatron(layout, seed=1)
-    settings = StepSettings(LossSettings(algorithm="grpo" if MOE_REPLAY else "gspo", eps_low=0.05, eps_high=0.05,
-                                         temperature=1.0, vocab_size=SHAPE.vocab_size), num_minibatches=K,
-                            max_tokens_per_microbatch=64, pack_sequences=False)
+    settings = StepSettings(LossSettings(algorithm="grpo" if options.model == "moe" else "gspo", eps_low=0.05,
+                                         eps_high=0.05, temperature=1.0, vocab_size=SHAPE.vocab_size),
+                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=False)
     if phase == "run":
-        run_and_crash(workdir, layout, pgs, settings)  # reports its checks and ends the process (os._exit)
+        run_and_crash(workdir, layout, pgs, settings, options)  # reports its checks and ends the process (os._exit)
     else:
-        resume(workdir, layout, pgs, settings)
+        resume(workdir, layout, pgs, settings, options)
     done()
 
 
-def run_and_crash(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
+def run_and_crash(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings, options):
     """(A) the uninterrupted reference, (B) 2 checkpointed steps, then a crash during step 3's save."""
     rank = dist.get_rank()
     ckpt = workdir / "checkpoints"
-    model, optimizer, scheduler = setup(layout, pgs, seed=5)
-    train(model, optimizer, scheduler, SyntheticData(), STEPS, settings)
+    model, optimizer, scheduler = setup(layout, pgs, seed=5, options=options)
+    train(model, optimizer, scheduler, SyntheticData(), STEPS, settings, options)
     torch.save(params(model), workdir / f"reference_rank{rank}.pt")
 
-    model, optimizer, scheduler = setup(layout, pgs, seed=5)
+    model, optimizer, scheduler = setup(layout, pgs, seed=5, options=options)
     data = SyntheticData()
-    background = BackgroundSaves() if ASYNC_SAVE else None
+    background = BackgroundSaves() if options.async_save else None
 
     def save(step):
         save_checkpoint(ckpt, TrainerState(step, data_state=data.position, user_state={"rollouts": step}),
                         model, optimizer, scheduler, keep_last=1, background=background)
 
     for step in (1, 2):
-        train(model, optimizer, scheduler, data, 1, settings)
+        train(model, optimizer, scheduler, data, 1, settings, options)
         save(step)
-        if ASYNC_SAVE:
+        if options.async_save:
             with check(f"a background save (step {step}) is not the latest before it is published"):
                 assert not iteration_dir(ckpt, step).exists() and find_latest(ckpt) == (step - 1 or None)
-    train(model, optimizer, scheduler, data, 1, settings)                # step 3 starts ...
-    if ASYNC_SAVE:  # ... while step 2's checkpoint may still be being written: it must hold step 2's state
+    train(model, optimizer, scheduler, data, 1, settings, options)       # step 3 starts ...
+    if options.async_save:  # ... while step 2's checkpoint may still be being written: it must hold step 2's state
         background.finish(wait=True)
     with check("keep_last=1 keeps only the step-2 checkpoint"):
         assert complete_iterations(ckpt) == [2], complete_iterations(ckpt)   # keep_last pruned step 1
-    if ASYNC_SAVE:                                                      # ... and its save crashes:
+    if options.async_save:                                              # ... and its save crashes:
         save(3)                                                         # the process ends while it writes
     elif rank == 0:                                                     # ... its save crashes midway
         (ckpt / "iter_0000003.tmp").mkdir(parents=True)
@@ -127,12 +127,13 @@ def run_and_crash(workdir: Path, layout: ParallelConfig, pgs, settings: StepSett
     os._exit(0)  # no destroy_process_group, no atexit: as abrupt as a kill after the last flush
 
 
-def resume(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
+def resume(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings, options):
     """A fresh start from the latest complete checkpoint, trained to the end and compared with (A)."""
     rank = dist.get_rank()
     ckpt = workdir / "checkpoints"
-    model, optimizer, scheduler = setup(layout, pgs, seed=99)   # different init: the checkpoint must win
-    torch.manual_seed(12345)                               # different RNG: the checkpoint's must win
+    # A different init and RNG state: the checkpoint's must win.
+    model, optimizer, scheduler = setup(layout, pgs, seed=99, options=options)
+    torch.manual_seed(12345)
     with check("the latest complete checkpoint is step 2"):
         assert find_latest(ckpt) == 2, find_latest(ckpt)
     with check("the checkpoint restores the trainer state and the schedule"):
@@ -142,7 +143,7 @@ def resume(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
     at_step2 = params(model)
     data = SyntheticData()
     data.position = state.data_state
-    train(model, optimizer, scheduler, data, STEPS - state.step, settings)
+    train(model, optimizer, scheduler, data, STEPS - state.step, settings, options)
     reference = torch.load(workdir / f"reference_rank{rank}.pt")
     with check("resumed parameters are those of the uninterrupted run within 1e-7"):
         worst = 0.0
@@ -154,7 +155,7 @@ def resume(workdir: Path, layout: ParallelConfig, pgs, settings: StepSettings):
         assert not different, f"not bitwise identical (max |diff| {worst:.1e}): {different[:5]}"
     # The checkpoint tools read it as a Megatron checkpoint (last: building a model reseeds the RNG).
     with check("load_weights reads the checkpoint as a Megatron checkpoint"):
-        other, _, _ = setup(layout, pgs, seed=123)
+        other, _, _ = setup(layout, pgs, seed=123, options=options)
         load_weights(other, ckpt)
         assert all(torch.equal(p, at_step2[n]) for n, p in params(other).items())
 

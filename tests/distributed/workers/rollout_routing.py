@@ -1,8 +1,9 @@
 """Rollout Routing Replay (gspo.routing_replay=rollout) with the in-process Megatron sampler, one layout per launch.
 
-usage: torchrun --nproc-per-node N rollout_routing.py WORKDIR NAME TP PP CP EP [PACKED]
+usage: torchrun --nproc-per-node N rollout_routing.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [packed=0|1]
+(1 and 0 where absent; dp takes the other ranks: trainer_common.worker_args)
 
-PACKED 1: the trainer packs several responses per row (parallel.pack_sequences); each response's routing
+packed=1: the trainer packs several responses per row (parallel.pack_sequences); each response's routing
 goes to its place in its row.
 
 The tiny Qwen3-MoE samples 4 prompts x 4 with routing recorded (Sample.routed_experts), then trains on
@@ -38,7 +39,7 @@ from megatron_gspo.training.step import split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
 from routing_replay import RouterLog, tiny_moe
-from trainer_common import parallel_layout
+from trainer_common import worker_args
 
 G, K = 4, 2
 
@@ -52,9 +53,7 @@ def prompts() -> list[Prompt]:
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    tp, pp, cp, ep = map(int, sys.argv[3:7])
-    pack_sequences = len(sys.argv) > 7 and sys.argv[7] == "1"
-    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout, options = worker_args(sys.argv[3:], packed=False)
     pgs = init_megatron(layout, seed=1234)
     model, _, optimizer = tiny_moe(workdir, name, layout, pgs)
     routing = MoERouting.attach(model)
@@ -86,8 +85,8 @@ def main() -> None:
     responses = responses_from_samples(samples, group_advantages(rewards, G).advantages_R)
     log = RouterLog(routing)
     settings = StepSettings(loss=LossSettings(algorithm="grpo", temperature=1.0, vocab_size=TINY_MOE.vocab_size),
-                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=pack_sequences)
-    if pack_sequences:
+                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=options.packed)
+    if options.packed:
         with check("responses are packed several to a row"):
             plans = [pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]
             assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)

@@ -1,9 +1,11 @@
 """MoE Routing Replay through the trainer's own step (training/step.py train_on_batch), one layout per launch.
 
-usage: torchrun --nproc-per-node N routing_replay.py WORKDIR NAME TP PP CP EP MAX_TOKENS_PER_MICROBATCH [PACKED]
+usage: torchrun --nproc-per-node N routing_replay.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [max_tokens=N]
+                                                                  [packed=0|1]
+(1, 8192 tokens per micro-batch and 0 where absent; dp takes the other ranks: trainer_common.worker_args)
 
-PACKED 1: packed rows (parallel.pack_sequences: several responses per row), compared with the reference's
-one response per row.
+max_tokens: the token budget of a micro-batch (parallel.max_tokens_per_microbatch). packed=1: packed rows
+(parallel.pack_sequences: several responses per row), compared with the reference's one response per row.
 
 The tiny Qwen3-MoE, GRPO (the paper's replay baseline), K = 2 mini-batches of 8 responses, SGD (lr 0.1, no
 momentum: a large step, so that routing moves and a mis-scaled gradient shows). Two runs from the same
@@ -37,7 +39,7 @@ from megatron_gspo.training.old_logprobs import StepSettings, old_logprobs_sourc
 from megatron_gspo.training.step import split_minibatches, train_on_batch
 
 from checks import check, done, shutdown
-from trainer_common import parallel_layout
+from trainer_common import worker_args
 
 N, K, G = 16, 2, 4
 
@@ -99,9 +101,7 @@ def tiny_moe(workdir: Path, name: str, layout, pgs):
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    tp, pp, cp, ep, max_tokens = map(int, sys.argv[3:8])
-    pack_sequences = len(sys.argv) > 8 and sys.argv[8] == "1"
-    layout = parallel_layout(tp=tp, pp=pp, cp=cp, ep=ep)
+    layout, options = worker_args(sys.argv[3:], max_tokens=8192, packed=False)
     pgs = init_megatron(layout, seed=1234)
     model, module, optimizer = tiny_moe(workdir, name, layout, pgs)
     routing = MoERouting.attach(model)
@@ -109,17 +109,17 @@ def main() -> None:
     batch = responses()
     loss = LossSettings(algorithm="grpo", temperature=1.0, vocab_size=TINY_MOE.vocab_size)
 
-    if pack_sequences:
+    if options.packed:
         with check("responses are packed several to a row"):
-            plans = [pack(mini, pgs, max_tokens, True) for mini in split_minibatches(batch, K)]
+            plans = [pack(mini, pgs, options.max_tokens, True) for mini in split_minibatches(batch, K)]
             assert any(mb.num_sequences > mb.tokens_BS.shape[0] for p in plans for mb in p.micro_batches)
     results = {}
     for i, mode in enumerate(("old", "off")):
         if i:  # the next mode starts from the same initial weights
             reference_weights(module, workdir)
         log.clear()
-        settings = StepSettings(loss=loss, num_minibatches=K, max_tokens_per_microbatch=max_tokens,
-                                pack_sequences=pack_sequences)
+        settings = StepSettings(loss=loss, num_minibatches=K, max_tokens_per_microbatch=options.max_tokens,
+                                pack_sequences=options.packed)
         records = train_on_batch(model, optimizer, batch, settings, old_logprobs_source(GSPOConfig(routing_replay=mode), routing),
                                  pgs=pgs)
         check_router_log(log, mode, int(sum(r["train/microbatches"] for r in records)), int(records[0]["train/microbatches"]))

@@ -1,9 +1,10 @@
 """The trainer's step on two processes: micro-batch invariance, on-policy s == 1, the rollout gap, learning.
 
-usage: torchrun --nproc-per-node 2 train_step.py TP PP EP MODEL [CP]
-e.g. `1 1 1 dense` (data parallel over 2 ranks), `2 1 1 dense`, `1 2 1 dense`, `1 1 1 dense 2`, `1 1 2 moe` (tiny
-Qwen3-MoE, experts over 2 ranks). Five checks, in order, on one model: each trains it further; a sixth
-(fused vs per-mini-batch recompute) and a seventh (packed rows vs one response per row) on fresh ones.
+usage: torchrun --nproc-per-node 2 train_step.py [tp=N] [pp=N] [cp=N] [ep=N] [model=dense|moe]
+(1 and dense where absent; dp takes the other ranks: trainer_common.worker_args), e.g. no arguments (data
+parallel over 2 ranks), `tp=2`, `pp=2`, `cp=2`, `ep=2 model=moe` (tiny Qwen3-MoE, experts over 2 ranks).
+Five checks, in order, on one model: each trains it further; a sixth (fused vs per-mini-batch recompute)
+and a seventh (packed rows vs one response per row) on fresh ones.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from megatron_gspo.training.step import compute_logprobs, train_on_batch
 from megatron_gspo.model.presets import PRESETS
 
 from checks import check, done
-from trainer_common import FROM_ROLLOUT, RECOMPUTE, parallel_layout, steps, synthetic_responses, tiny_model
+from trainer_common import FROM_ROLLOUT, RECOMPUTE, steps, synthetic_responses, tiny_model, worker_args
 
 N = 16
 
@@ -37,11 +38,9 @@ def say(msg):
 
 
 def main():
-    tp, pp, ep = map(int, sys.argv[1:4])
-    preset = "tiny_moe" if sys.argv[4] == "moe" else "tiny_dense"
+    layout, options = worker_args(sys.argv[1:], model="dense")
+    preset = {"dense": "tiny_dense", "moe": "tiny_moe"}[options.model]
     shape = PRESETS[preset]
-    cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    layout = parallel_layout(tp=tp, pp=pp, ep=ep, cp=cp)
     pgs = init_megatron(layout, seed=1)
     loss = LossSettings(algorithm="gspo", temperature=1.0, vocab_size=shape.vocab_size)
     responses = synthetic_responses(seed=3, n=N)

@@ -1,8 +1,11 @@
-"""Shared pieces of the trainer's distributed test workers: a tiny dense Qwen3 and synthetic responses."""
+"""Shared pieces of the distributed test workers: their `key=value` arguments (layout and options), a tiny
+dense Qwen3 and synthetic responses."""
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 
@@ -33,6 +36,49 @@ def parallel_layout(**sizes: int) -> ParallelConfig:
     """A ParallelConfig with these sizes (tp, pp, cp, ep, ...) whose dp takes the rest of torchrun's world."""
     model_parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     return ParallelConfig(**sizes, dp=int(os.environ["WORLD_SIZE"]) // model_parallel)
+
+
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep")
+
+
+def worker_args(args: Sequence[str], **defaults: int | bool | str) -> tuple[ParallelConfig, SimpleNamespace]:
+    """A worker's `key=value` arguments -> (its layout, its other options).
+
+    tp, pp, cp and ep (1 where absent) make the layout, whose dp takes the rest of torchrun's world
+    (`parallel_layout`). The keys of `defaults` are the worker's options: each is read as the type of
+    its default (a bool as 0 or 1) and takes that default where absent. Any other key is an error that
+    names it. E.g. under 4 processes `worker_args(["ep=2", "packed=1"], max_tokens=8192, packed=False)`
+    gives (ParallelConfig(ep=2, dp=4), namespace(max_tokens=8192, packed=True)).
+    """
+    given: dict[str, str] = {}
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep:
+            raise ValueError(f"worker argument {arg!r} is not key=value")
+        if key not in LAYOUT_KEYS and key not in defaults:
+            known = ", ".join([*LAYOUT_KEYS, *defaults])
+            raise ValueError(f"unknown worker argument {key!r} ({arg!r}); known: {known}")
+        if key in given:
+            raise ValueError(f"worker argument {key!r} given twice")
+        given[key] = text
+    layout = parallel_layout(**{key: _parse(key, given[key], 1) for key in LAYOUT_KEYS if key in given})
+    options = {key: _parse(key, given[key], default) if key in given else default
+               for key, default in defaults.items()}
+    return layout, SimpleNamespace(**options)
+
+
+def _parse(key: str, text: str, default: int | bool | str) -> int | bool | str:
+    """`text` read as the type of `default`."""
+    if isinstance(default, bool):
+        if text not in ("0", "1"):
+            raise ValueError(f"worker argument {key} must be 0 or 1, got {text!r}")
+        return text == "1"
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"worker argument {key} must be an integer, got {text!r}") from None
+    return text
 
 
 def tiny_model(layout: ParallelConfig, *, pgs, seed: int, lr: float = 1e-3, total_steps: int = 100, preset: str = "tiny_dense",

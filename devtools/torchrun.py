@@ -2,7 +2,8 @@
 
 Each launch costs ~10 s (Python start + `import megatron.core`), so a worker script runs several
 named checks per launch (tests/distributed/workers/checks.py) and exits non-zero on the first failure;
-`run_checks` launches one and fails with the names of the checks that failed, on which ranks.
+`run_checks` launches one and fails with the names of the checks that failed, on which ranks (read
+from the output in the format of devtools/check_report.py).
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from devtools.check_report import failures, passed_counts
 from megatron_gspo.net import free_port
-from tests.distributed.workers.checks import failures, passed_counts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def torchrun(script: str | os.PathLike, nproc: int, *args, timeout: float = 600)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    # Workers import the package (and tests.*) from this checkout even without an editable install.
+    # Workers import the package (and devtools.*, tests.*) from this checkout, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     try:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
