@@ -89,17 +89,20 @@ def main(argv=None):
 
         from transformers import AutoModelForCausalLM
 
-        from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, sync_by_tensor, sync_from_disk, write_hf_checkpoint
+        from megatron_gspo.rollout.sglang.weight_sync import (BroadcastSync, connected, sync_by_tensor, sync_from_disk,
+                                                             write_hf_checkpoint)
         state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         rows = []
         start = time.monotonic()
         folder = write_hf_checkpoint(state.items(), work / "export", model_dir)
         written = time.monotonic()
-        sync_from_disk([url], folder, "disk")
+        with connected([url]) as admins:
+            sync_from_disk(admins, folder, "disk")
         rows.append(("disk (write + load)", written - start, time.monotonic() - written))
         start = time.monotonic()
-        sync_by_tensor([url], state.items(), "tensor")
+        with connected([url]) as admins:
+            sync_by_tensor(admins, state.items(), "tensor")
         rows.append(("tensor", 0.0, time.monotonic() - start))
         broadcast = BroadcastSync([url])
         start = time.monotonic()

@@ -26,6 +26,8 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+from megatron_gspo.platform.torch_compat import wrap_collectives
+
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                 "barrier", "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv",
                 "isend", "irecv", "batch_isend_irecv", "all_to_all_single")
@@ -35,6 +37,8 @@ _totals: dict[str, float] = defaultdict(float)
 _lock = threading.Lock()
 _local = threading.local()
 _originals: dict[str, object] = {}
+"""The collectives as they were before enable() wrapped them (collect() gathers with the original)."""
+_undo_wrapping = None
 
 
 def enabled() -> bool:
@@ -43,16 +47,14 @@ def enabled() -> bool:
 
 def enable(on: bool = True) -> None:
     """Start (or stop) recording spans and timing the torch.distributed collectives."""
-    global _enabled
+    global _enabled, _undo_wrapping
     _enabled = on
-    if on:
-        for name in _COLLECTIVES:
-            if name not in _originals and hasattr(dist, name):
-                _originals[name] = getattr(dist, name)
-                setattr(dist, name, _timed_collective(_originals[name]))
-    else:
-        for name, fn in _originals.items():
-            setattr(dist, name, fn)
+    if on and _undo_wrapping is None:
+        _originals.update({name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)})
+        _undo_wrapping = wrap_collectives(_COLLECTIVES, _timed_collective)
+    elif not on and _undo_wrapping is not None:
+        _undo_wrapping()
+        _undo_wrapping = None
         _originals.clear()
 
 

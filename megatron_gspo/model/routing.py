@@ -12,10 +12,10 @@ each sample) is replayed in the training forward. GSPO's sequence ratio is meant
 Megatron-Core 0.16.1's primitive does the work inside the router (transformer/moe/router_replay.py:
 a RouterReplay per router, actions RECORD / REPLAY_FORWARD, consulted by
 moe_utils.topk_routing_with_score_function). Its class keeps every instance ever created in one
-global list (`RouterReplay.global_router_replay_instances`) and drives them all at once; here each
-model's routers are reached through the model itself, chunk by chunk, and that global list is emptied
-of them, so two models in one process (tests, a reference model) never see each other's routing.
-This module is the only one that touches the primitive.
+global list and drives them all at once; here each model's routers are reached through the model itself,
+chunk by chunk, and that list is emptied of them (platform/megatron_compat.py:detach_router_replays), so
+two models in one process (tests, a reference model) never see each other's routing.
+This module is the only one that uses the primitive.
 
 Token order. A router sees this rank's tokens as [S_local * B] rows in (position, row) order: the CP
 rank's part of each sequence (MicroBatch.for_cp_rank), transposed to [S, B] by the embedding and,
@@ -44,6 +44,8 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.utils import get_model_config
+
+from megatron_gspo.platform.megatron_compat import detach_router_replays
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -183,9 +185,7 @@ class MoERouting:
             self.routers.append(routers)
             self.replays.append(replays)
         # Reached through the routers above; Megatron's process-wide list must not keep them.
-        mine = {id(r) for rs in self.replays for r in rs}
-        RouterReplay.global_router_replay_instances[:] = [
-            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+        detach_router_replays([r for rs in self.replays for r in rs])
         self._tp_rank = 0
         if self.tp_size > 1:
             pgs = _unwrap(self.chunks[0]).pg_collection

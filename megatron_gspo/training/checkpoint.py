@@ -23,19 +23,17 @@ Exactness: model and Adam state (both moments and the step count) are saved in f
 with the RNG states, the data position and the scheduler step restored, the resumed run takes the
 same steps bit for bit (tests/distributed/test_resume.py). RNG files are per rank, so an exact
 resume needs the same world size; model and optimizer reshard like any Megatron checkpoint.
-The same holds with Megatron's distributed optimizer (Adam state sharded over DP ranks), which on CPU
-needs the two work-arounds below (tested: DP2, bitwise); neither path has been run on GPUs yet.
+The same holds with Megatron's distributed optimizer (Adam state sharded over DP ranks), which without
+apex/TE needs two work-arounds (platform/megatron_compat.py; tested: DP2, bitwise); neither path has been
+run on GPUs yet.
 """
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
-import queue
 import random
 import re
 import shutil
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
 from megatron_gspo.convert.load import named_model_chunks
+from megatron_gspo.platform.megatron_compat import (create_distributed_optimizer_state,
+                                                    restore_distributed_optimizer_steps, use_own_write_results)
 from megatron_gspo.training.optimizer import fuse_cpu_adam
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -101,47 +99,6 @@ def _sharded_state(model: list, optimizer, *, is_loading: bool) -> dict:
     return state
 
 
-def _create_distributed_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer the Adam state that loading overwrites.
-
-    megatron-core 0.16.1 optimizer/distrib_optimizer.py:642: without apex or Transformer Engine,
-    DistributedOptimizer.state_dict() asserts that Adam's `step` exists, so a freshly built one (no
-    step taken yet) cannot build the sharded state dict to load into. One zero-gradient step creates
-    the state, as Megatron does itself before an FSDP load (distrib_optimizer.py:1357); the load then
-    replaces it, and the model weights are loaded after it (a zero-gradient AdamW step can still
-    apply weight decay).
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            with torch.no_grad():
-                opt._init_optimizer_states_with_dummy_values()
-
-
-def _restore_distributed_optimizer_steps(optimizer, loaded: dict) -> None:
-    """Put the checkpoint's Adam step count back into a distributed optimizer's state.
-
-    Without apex/TE the step lives in the saved param_groups (distrib_optimizer.py:671), and
-    DistributedOptimizer.load_state_dict (distrib_optimizer.py:817-825) writes it into a copy of the
-    state that, with state already allocated (our zero-gradient step above), does not reach torch's
-    Adam: the step stays 1 and Adam's bias correction is wrong after a resume. Measured on CPU with
-    megatron-core 0.16.1; a no-op with apex/TE and for the non-distributed optimizers.
-    """
-    if HAVE_APEX_OR_TE:
-        return
-    subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    states = loaded if isinstance(loaded, dict) and len(subs) == 1 else None
-    for i, opt in enumerate(subs):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        state = states if states is not None else loaded[i]
-        steps = {g["step"] for g in state["optimizer"]["param_groups"] if g.get("step") is not None}
-        if len(steps) != 1:
-            raise ValueError(f"distributed optimizer checkpoint holds Adam steps {sorted(steps)}; expected one")
-        step = float(steps.pop())
-        for param_state in opt.optimizer.state.values():
-            param_state["step"] = torch.tensor(step, dtype=torch.float32)
-
-
 def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -164,48 +121,6 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-class _WriteResults:
-    """The queue that carries dist_checkpointing's write results to this process, for one save.
-
-    megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:51-56 makes it a queue of a
-    *spawned* multiprocessing Manager on the first save: a fresh interpreter that re-imports the
-    trainer's main module, 3.4 s per checkpoint of the tiny demo model (measured, TP2, 2 cores; the
-    save itself takes 0.06 s), and a process that, kept alive, is orphaned by a kill -9 and holds the
-    launcher's stdout open. The results are put by the process that ran the writers: this one in a
-    synchronous save, the forked background writer in an async one (`put` after the fork: the pipe is
-    inherited). A thread here drains the pipe at once, so a large result never blocks that writer on a
-    full pipe (it must exit before the results are read); `get_nowait` waits for the thread up to `wait_s`
-    (a plain multiprocessing.Queue's get_nowait right after the put can find the pipe still
-    empty: "results_queue should not be empty", seen in CI's Slurm requeue test on a loaded machine).
-    """
-
-    def __init__(self, wait_s: float = 30.0):
-        self._reader, self._writer = multiprocessing.get_context("fork").Pipe(duplex=False)
-        self._received: queue.Queue = queue.Queue()
-        self._wait_s = wait_s
-        threading.Thread(target=self._drain, name="checkpoint-write-results", daemon=True).start()
-
-    def _drain(self) -> None:
-        try:
-            self._received.put(self._reader.recv())  # one result (or exception) per save
-        except (EOFError, OSError):  # closed with nothing sent (a rank with nothing to write)
-            pass
-        finally:
-            self._reader.close()
-
-    def put(self, item) -> None:
-        self._writer.send(item)
-
-    def get_nowait(self):
-        # The writer has exited (or, synchronously, returned) before this is called: what it sent is
-        # in the pipe; nothing arrives only if it died without sending (then queue.Empty, an error).
-        return self._received.get(timeout=self._wait_s)
-
-    def close(self) -> None:
-        """Once the save is over: the drain thread ends (at once if nothing was sent)."""
-        self._writer.close()
 
 
 class BackgroundSaves:
@@ -252,10 +167,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
-    previous = filesystem_async._results_queue
-    if isinstance(previous, _WriteResults):  # the last save is over (a background one: published above)
-        previous.close()
-    filesystem_async._results_queue = _WriteResults()  # taken by this save's writer (see the class)
+    use_own_write_results()  # taken by this save's writer; the last save is over (a background one: published above)
     request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp),
                                       async_sharded_save=background is not None)
     if rank == 0:
@@ -304,14 +216,14 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, sc
         return None
     path = iteration_dir(ckpt_dir, step)
     if optimizer is not None:
-        _create_distributed_optimizer_state(optimizer)
+        create_distributed_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
     for name, module in named_model_chunks(model):
         module.load_state_dict(loaded[name])
     if optimizer is not None:
         with torch.no_grad():  # it copies into the main parameters, views of the model's with fp32 params
             optimizer.load_state_dict(loaded["optimizer"])
-        _restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
+        restore_distributed_optimizer_steps(optimizer, loaded["optimizer"])
         fuse_cpu_adam(optimizer)  # the saved param_groups replaced ours, fused flag included
     trainer = torch.load(path / "trainer.pt", weights_only=False)
     if scheduler is not None and trainer["scheduler"] is not None:

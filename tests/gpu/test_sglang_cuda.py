@@ -36,7 +36,8 @@ from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
 from megatron_gspo.samples import Prompt
-from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, write_hf_checkpoint
+from megatron_gspo.rollout.sglang.weight_sync import (BroadcastSync, ServerAdmin, TensorSync, connected, sync_by_tensor,
+                                                     write_hf_checkpoint)
 from tests.sglang.sglang_test_utils import push_during_rollout, recompute_logprobs
 from tests.tiny_hf import read_all
 
@@ -129,7 +130,8 @@ def check_sync_delivers_and_restores(url, sync, served, perturbed, name: str):
 def test_tensor_sync_by_cuda_ipc(served, perturbed):
     def sync(state, version):
         on_gpu = [(k, v.cuda()) for k, v in state.items()]  # CUDA tensors: the pickle holds IPC handles
-        sync_by_tensor([served.url], on_gpu, version, bucket_bytes=1 << 20)  # several buckets
+        with connected([served.url]) as admins:
+            sync_by_tensor(admins, on_gpu, version, bucket_bytes=1 << 20)  # several buckets
     check_sync_delivers_and_restores(served.url, sync, served, perturbed, "ipc")
 
 
@@ -153,12 +155,12 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
     loads the new weights and continues them; the tokens after each response's stale prefix carry the new
     weights' log-probs (tests/sglang/test_partial_rollout_sglang.py checks the same on CPU in float32)."""
     client = RolloutClient([served.url], RolloutConfig(partial_rollout=True, max_staleness=1))
+    pushes = TensorSync([served.url], bucket_bytes=1 << 20, pause_generation=True)
     prompts = [Prompt(i, [40 + i, 41, 42]) for i in range(6)]
     on_gpu = [(k, v.cuda()) for k, v in perturbed.changed.items()]
     try:
         samples, _ = push_during_rollout(client, prompts, 1, SamplingConfig(temperature=1.0, max_new_tokens=1000),
-                                         lambda: sync_by_tensor([served.url], on_gpu, "partial-1",
-                                                                bucket_bytes=1 << 20, pause_generation=True))
+                                         lambda: pushes.push(on_gpu, "partial-1"))
         cut = [s for s in samples if s.stale_prefix]
         print(f"{served.kind} partial: {len(cut)} of {len(samples)} responses cut by the push, stale prefixes "
               f"{[s.stale_prefix for s in cut]} of {[len(s.response_ids) for s in cut]} tokens")
@@ -171,5 +173,5 @@ def test_partial_rollout_push_into_requests_in_flight(served, perturbed):
             new_error, old_error = logprob_error([tail], perturbed.model), logprob_error([tail], served.hf)
             assert new_error < BF16_MEAN_TOLERANCE and new_error < 0.5 * old_error, (new_error, old_error)
     finally:
-        sync_by_tensor([served.url], [(k, v.cuda()) for k, v in perturbed.original.items()], "0",
-                       bucket_bytes=1 << 20)
+        pushes.push([(k, v.cuda()) for k, v in perturbed.original.items()], "0")
+        pushes.close()

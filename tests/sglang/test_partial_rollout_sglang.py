@@ -53,5 +53,10 @@ def test_a_push_into_requests_in_flight_continues_them_under_the_new_weights(ser
         assert (torch.tensor(s.rollout_logprobs[:s.stale_prefix])
                 - recompute_logprobs(new_model, s, 1.0)[:s.stale_prefix]).abs().max() > 1e-2
     finally:
-        DiskSync(urls, tmp_path / "restore", tiny_model_dir, api_key=API_KEY).push(original.items(), "default")
-    assert all(ServerAdmin(u, API_KEY).weight_version() == "default" for u in urls)
+        sync.close()
+        restore = DiskSync(urls, tmp_path / "restore", tiny_model_dir, api_key=API_KEY)
+        restore.push(original.items(), "default")
+        restore.close()
+    for url in urls:
+        with ServerAdmin(url, API_KEY) as admin:
+            assert admin.weight_version() == "default"

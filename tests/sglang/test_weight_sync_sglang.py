@@ -13,7 +13,8 @@ from megatron_gspo.config import RolloutConfig
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.rollout.sglang.client import RolloutClient
-from megatron_gspo.rollout.sglang.weight_sync import BroadcastSync, ServerAdmin, sync_by_tensor, sync_from_disk, write_hf_checkpoint
+from megatron_gspo.rollout.sglang.weight_sync import (BroadcastSync, ServerAdmin, connected, sync_by_tensor, sync_from_disk,
+                                                     write_hf_checkpoint)
 from megatron_gspo.samples import Prompt
 
 from sglang_test_utils import API_KEY, recompute_logprobs
@@ -65,9 +66,11 @@ def test_sync_delivers_new_weights_and_restore_restores(servers, before, weights
     def sync(state, version):
         if transport == "disk":
             folder = write_hf_checkpoint(state.items(), tmp_path / version, tiny_model_dir)
-            sync_from_disk(urls, folder, version, api_key=API_KEY)
+            with connected(urls, API_KEY) as admins:
+                sync_from_disk(admins, folder, version)
         elif transport == "tensor":
-            sync_by_tensor(urls, state.items(), version, api_key=API_KEY, bucket_bytes=64 * 1024)  # several buckets
+            with connected(urls, API_KEY) as admins:
+                sync_by_tensor(admins, state.items(), version, bucket_bytes=64 * 1024)  # several buckets
         else:
             broadcast.push(state.items(), version, bucket_bytes=64 * 1024)
 
@@ -75,7 +78,8 @@ def test_sync_delivers_new_weights_and_restore_restores(servers, before, weights
         sync(perturbed, f"{transport}-1")
         expected = [greedy_hf(perturbed_model, p) for p in PROMPTS]
         for url in urls:
-            assert ServerAdmin(url, API_KEY).weight_version() == f"{transport}-1"
+            with ServerAdmin(url, API_KEY) as admin:
+                assert admin.weight_version() == f"{transport}-1"
             greedy = rollout(url, 0.0)
             assert [s.response_ids for s in greedy] != [s.response_ids for s in before[url]]
             assert [s.response_ids for s in greedy] == expected

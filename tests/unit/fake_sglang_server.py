@@ -3,7 +3,9 @@
 It answers like SGLang 0.5.23 (flat list of n items, output_token_logprobs [[logprob, id, null], ...];
 with `routing=(L, k, E)`, like a server started with --enable-return-routed-experts, meta_info.routed_experts
 when the request asks) and can misbehave on purpose: die after k requests, stall, return null log-probs,
-abort, demand a key, send routing for the wrong number of positions.
+abort, demand a key, send routing for the wrong number of positions. The weight-update endpoints
+(/begin_weight_update, /update_weights_from_disk, /update_weights_from_tensor, /end_weight_update,
+GET /get_model_info) set and report the weight version, as a weight sync expects, and load nothing.
 """
 from __future__ import annotations
 
@@ -88,6 +90,13 @@ class FakeSGLang:
     async def _answer(self, request_line: str, headers: dict, body: bytes):
         if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
             return 401, {"error": "Unauthorized"}
+        if request_line.startswith("GET /get_model_info"):
+            return 200, {"weight_version": self.name}
+        if request_line.startswith(("POST /begin_weight_update", "POST /end_weight_update")):
+            return 200, {"success": True}
+        if request_line.startswith(("POST /update_weights_from_disk", "POST /update_weights_from_tensor")):
+            self.name = json.loads(body)["weight_version"]
+            return 200, {"success": True}
         if not request_line.startswith("POST /generate"):
             return 404, {"error": "not found"}
         payload = json.loads(body)

@@ -41,11 +41,11 @@ import httpx
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
-from torch.distributed import TCPStore
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+import torch.distributed as dist
 
 from megatron_gspo import profiling
 from megatron_gspo.net import auth_headers, free_port, tls_context
+from megatron_gspo.platform.torch_compat import standalone_group
 from megatron_gspo.rollout.protocol import NamedTensors
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -116,11 +116,28 @@ class ServerAdmin:
     def close(self) -> None:
         self._http.close()
 
+    def __enter__(self) -> "ServerAdmin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _admins(urls: list[str], api_key: str | None) -> list[ServerAdmin]:
     if not urls:
         raise ValueError("no server URLs given")
     return [ServerAdmin(u, api_key) for u in urls]
+
+
+@contextlib.contextmanager
+def connected(urls: list[str], api_key: str | None = None) -> Iterator[list[ServerAdmin]]:
+    """One ServerAdmin per server for the block (its HTTP connection kept between calls), closed after it."""
+    admins = _admins(urls, api_key)
+    try:
+        yield admins
+    finally:
+        for admin in admins:
+            admin.close()
 
 
 def _on_all(admins: list[ServerAdmin], fn) -> list:
@@ -202,10 +219,9 @@ def write_hf_checkpoint(named_tensors: NamedTensors, out_dir: str | Path, config
     return out
 
 
-def sync_from_disk(urls: list[str], checkpoint_dir: str | Path, version: str, api_key: str | None = None,
+def sync_from_disk(admins: list[ServerAdmin], checkpoint_dir: str | Path, version: str,
                    pause_generation: bool = False) -> None:
     """Every server loads the HF checkpoint at checkpoint_dir (a path the servers can read)."""
-    admins = _admins(urls, api_key)
     payload = {"model_path": str(checkpoint_dir), "weight_version": version, "flush_cache": True}
     _update(admins, version, lambda: _on_all(admins, lambda a: a.post("/update_weights_from_disk", payload)),
             pause_generation)
@@ -225,7 +241,9 @@ class DiskSync:
     def __init__(self, urls: list[str], folder: str | Path, config_dir: str | Path, api_key: str | None = None,
                  pause_generation: bool = False):
         check_disk_sync_folder(folder)
-        self.urls, self.folder, self.config_dir, self.api_key = list(urls), Path(folder), config_dir, api_key
+        self.folder, self.config_dir = Path(folder), config_dir
+        self.admins = _admins(urls, api_key)
+        """Held for the run: one HTTP connection per server, kept between pushes."""
         self.pause_generation = pause_generation
         """Hold the requests in flight while the servers load (not while the checkpoint is written)."""
 
@@ -234,11 +252,11 @@ class DiskSync:
         with profiling.span(f"{where}/write"):  # the export walk (gathering the tensors) happens in here
             written = write_hf_checkpoint(named_tensors, self.folder, self.config_dir)
         with profiling.span(f"{where}/server_load"):
-            sync_from_disk(self.urls, written.resolve(), version, api_key=self.api_key,
-                           pause_generation=self.pause_generation)
+            sync_from_disk(self.admins, written.resolve(), version, pause_generation=self.pause_generation)
 
     def close(self) -> None:
-        pass
+        for admin in self.admins:
+            admin.close()
 
 
 # -------------------------------------------------------------------------------------- tensor
@@ -253,10 +271,9 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def sync_by_tensor(urls: list[str], named_tensors: NamedTensors, version: str, api_key: str | None = None,
+def sync_by_tensor(admins: list[ServerAdmin], named_tensors: NamedTensors, version: str,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, tp_size: int = 1, pause_generation: bool = False) -> None:
     """Colocated update: tensors are shared with each server process, not copied over HTTP."""
-    admins = _admins(urls, api_key)
 
     def body():
         for bucket in buckets(named_tensors, bucket_bytes):
@@ -271,35 +288,20 @@ class TensorSync:
 
     def __init__(self, urls: list[str], api_key: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  pause_generation: bool = False):
-        self.urls, self.api_key, self.bucket_bytes = list(urls), api_key, bucket_bytes
-        self.pause_generation = pause_generation
+        self.admins = _admins(urls, api_key)
+        """Held for the run: one HTTP connection per server, kept between pushes."""
+        self.bucket_bytes, self.pause_generation = bucket_bytes, pause_generation
 
     def push(self, named_tensors: NamedTensors, version: str) -> None:
-        sync_by_tensor(self.urls, named_tensors, version, api_key=self.api_key, bucket_bytes=self.bucket_bytes,
+        sync_by_tensor(self.admins, named_tensors, version, bucket_bytes=self.bucket_bytes,
                        pause_generation=self.pause_generation)
 
     def close(self) -> None:
-        pass
+        for admin in self.admins:
+            admin.close()
 
 
 # ----------------------------------------------------------------------------------- broadcast
-
-def _join_group(host: str, port: int, world_size: int, group_name: str, backend: str, timeout: timedelta):
-    """Rank 0 of the group SGLang's servers create in /init_weights_update_group.
-
-    Mirrors the server side (sglang/srt/utils/common.py:init_custom_process_group): a group outside
-    torch's default world, so it never interferes with Megatron's process groups. Rank 0 hosts the
-    group's TCPStore itself: torch's tcp:// rendezvous would not under torchrun (with
-    TORCHELASTIC_USE_AGENT_STORE it only connects, expecting torchrun's agent to host the store, and
-    every member of the group then waits for a server nobody started).
-    """
-    store = TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-    rank = 0
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
 
 def address_towards(url: str) -> str:
     """This host's IP address on the route to `url`'s host: what that host can reach us at. A UDP
@@ -346,8 +348,8 @@ class BroadcastSync:
         with ThreadPoolExecutor(len(self.admins)) as pool:
             futures = [pool.submit(a.post, "/init_weights_update_group", p) for a, p in zip(self.admins, payloads)]
             try:
-                self.group = _join_group(self.master_address, self.master_port, world_size, self.group_name,
-                                         self.backend, self.timeout)
+                self.group = standalone_group(self.master_address, self.master_port, world_size, self.group_name,
+                                              self.backend, self.timeout)
             finally:
                 for f in futures:
                     f.result()
@@ -380,6 +382,7 @@ class BroadcastSync:
     def close(self) -> None:
         if self.group is not None:
             _on_all(self.admins, lambda a: a.post("/destroy_weights_update_group", {"group_name": self.group_name}))
+            dist.destroy_process_group(self.group)
             self.group = None
         for admin in self.admins:
             admin.close()
