@@ -33,7 +33,8 @@ def _rollout_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output JSONL, one sample per line")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
-    p.add_argument("--reward", help="'exact_match', 'math' or 'module:function' (default: no rewards)")
+    p.add_argument("--reward", help="'exact_match', 'math', 'final_answer' or 'module:function' "
+                   "(default: no rewards)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per sample")
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
     s = p.add_argument_group("sampling (megatron_gspo.config.SamplingConfig, whose defaults these are)")
@@ -99,7 +100,8 @@ def run_rollout(args) -> int:
     summary = (f"{len(groups)} groups x {args.n} = {len(samples)} samples, {stats.response_tokens} tokens in "
                f"{stats.elapsed_s:.1f} s ({stats.tokens_per_s:.0f} tok/s) -> {args.out}")
     if args.reward:
-        summary += f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}"
+        summary += (f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}, "
+                    f"{sum(s.status == 'unparsed' for s in scores)} unparsed")
     if stats.failures:
         summary += f"; {len(stats.failures)} failed requests retried, retired servers: {stats.retired or 'none'}"
     print(summary)

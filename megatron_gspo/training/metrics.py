@@ -30,6 +30,7 @@ METRIC_NAMES: dict[str, str] = {
     "zero_signal_group_fraction_trained": "reward/zero_signal_group_fraction_trained",
     "reward_timeouts": "reward/timeouts",
     "reward_errors": "reward/errors",
+    "reward_unparsed_fraction": "reward/unparsed_fraction",
     "response_truncated_fraction": "rollout/response_truncated_fraction",
     "data_epoch": "data/epoch",
     # rollout/
