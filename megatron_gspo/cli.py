@@ -4,8 +4,8 @@ Commands: `train` (the GSPO loop under torchrun; also one node of a multi-node r
 server in the foreground, for rollout nodes), `wait-servers` (until given servers answer), `plot`
 (metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
 `rollout` (offline rollouts from SGLang servers into a samples JSONL file), `score` (one response through a
-reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo's
-prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
+reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo
+tasks' prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -279,17 +279,21 @@ def run_eval(args) -> int:
 
 
 def _make_data_parser(sub) -> None:
-    p = sub.add_parser("make-data", help="write the demo's prompt files (train.jsonl, test.jsonl)")
-    p.add_argument("task", choices=("arithmetic",), help="arithmetic: the 55 single-digit sums, 45 train / 10 test")
+    p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
+    p.add_argument("task", choices=("arithmetic", "long_addition"),
+                   help="arithmetic: the 55 single-digit sums, 45 train / 10 test (reward exact_match); "
+                        "long_addition: the 3240 two-digit sums a+b<=99, 3040 train / 200 test, answered "
+                        "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py)")
     p.add_argument("out", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     p.set_defaults(func=run_make_data)
 
 
 def run_make_data(args) -> int:
-    from megatron_gspo.data import write_arithmetic_data
+    from megatron_gspo.data import write_arithmetic_data, write_long_addition_data
 
-    for path in write_arithmetic_data(args.out, seed=args.seed):
+    write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data}[args.task]
+    for path in write(args.out, seed=args.seed):
         print(path)
     return 0
 
