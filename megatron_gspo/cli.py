@@ -235,8 +235,9 @@ def run_plot(args) -> int:
 def _tiny_model_parser(sub) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--warm-start", choices=("arithmetic",), help="supervised format warm-start for this task "
-                   "(answers with one random digit: reward at chance, see megatron_gspo/dev/warm_start.py)")
+    p.add_argument("--warm-start", choices=("arithmetic", "long_addition"), help="supervised format warm-start "
+                   "for this task, with random answers: reward at chance (arithmetic: one random digit; "
+                   "long_addition: the worked lines with random digits; megatron_gspo/dev/warm_start.py)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
                    "Qwen3: for rollout.backend=megatron (SGLang on CPU cannot serve MoE)")
@@ -245,12 +246,16 @@ def _tiny_model_parser(sub) -> None:
 
 def run_tiny_model(args) -> int:
     from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-    from megatron_gspo.dev.warm_start import warm_start_format
+    from megatron_gspo.dev.warm_start import warm_start_format, warm_start_long_addition
 
     out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed, num_experts=4 if args.moe else 0))
-    if args.warm_start:
+    if args.warm_start == "arithmetic":
         digit_fraction = warm_start_format(out, seed=args.seed)
         print(f"format warm-start: {digit_fraction:.0%} of greedy answers are one digit")
+    elif args.warm_start == "long_addition":
+        format_rate, accuracy = warm_start_long_addition(out, seed=args.seed)
+        print(f"format warm-start: {format_rate:.0%} of greedy responses state an answer, {accuracy:.0%} right "
+              "(chance: 1%)")
     print(out)
     return 0
 
