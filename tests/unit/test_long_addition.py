@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.cli import main as cli_main
+from megatron_gspo.config import load_config
 from megatron_gspo.data.long_addition import (PROBLEMS, random_worked_response, worked_response,
                                               write_long_addition_data)
 from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
 from megatron_gspo.rewards.verifiers import final_answer
 from megatron_gspo.samples import Sample
 
-EXAMPLE_DATA = Path(__file__).parents[2] / "examples" / "data" / "long_addition"
+REPO = Path(__file__).parents[2]
+EXAMPLE_DATA = REPO / "examples" / "data" / "long_addition"
 
 
 def sample(response, answer):
@@ -110,3 +112,10 @@ def test_make_data_cli_writes_the_committed_files(tmp_path, capsys):
         assert (tmp_path / name).read_bytes() == (EXAMPLE_DATA / name).read_bytes()
     with pytest.raises(SystemExit):
         cli_main(["make-data", "long_subtraction", str(tmp_path)])
+
+
+def test_example_config_trains_on_the_task_with_room_for_its_responses():
+    config = load_config(REPO / "examples" / "tiny_long_cpu.yaml")
+    assert [REPO / p for p in config.data.train] == [EXAMPLE_DATA / "train.jsonl"]
+    assert REPO / config.eval.datasets["held_out"] == EXAMPLE_DATA / "test.jsonl"
+    assert config.reward.fn == "final_answer" and config.sampling.max_new_tokens > 74   # a right response: 74
