@@ -47,7 +47,8 @@ def _one_thread():
 
 def _fit(model, examples: Callable[[], Example], *, steps: int, batch_size: int, lr: float, pad_id: int) -> None:
     """`steps` AdamW steps on batches of `batch_size` examples, cross-entropy on the targets only.
-    Rows of unequal length are right-padded and masked; equal-length batches go in unmasked, as they are."""
+    Rows of unequal length are right-padded and masked. A batch of equal rows goes in without a mask, as
+    the arithmetic warm start always did: a mask takes another attention path, and its weights would change."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
