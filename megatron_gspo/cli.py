@@ -4,8 +4,8 @@ Commands: `train` (the GSPO loop under torchrun; also one node of a multi-node r
 server in the foreground, for rollout nodes), `wait-servers` (until given servers answer), `plot`
 (metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
 `rollout` (offline rollouts from SGLang servers into a samples JSONL file), `score` (one response through a
-reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo's
-prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
+reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo
+tasks' prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def _rollout_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output JSONL, one sample per line")
     p.add_argument("--n", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--tokenizer", help="tokenizer directory for text prompts (default: the --launch directory)")
-    p.add_argument("--reward", help="'exact_match', 'math' or 'module:function' (default: no rewards)")
+    p.add_argument("--reward", help="'exact_match', 'math', 'final_answer' or 'module:function' "
+                   "(default: no rewards)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per sample")
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes")
     s = p.add_argument_group("sampling (megatron_gspo.config.SamplingConfig, whose defaults these are)")
@@ -102,7 +103,8 @@ def run_rollout(args) -> int:
     summary = (f"{len(groups)} groups x {args.n} = {len(samples)} samples, {stats.response_tokens} tokens in "
                f"{stats.elapsed_s:.1f} s ({stats.tokens_per_s:.0f} tok/s) -> {args.out}")
     if args.reward:
-        summary += f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}"
+        summary += (f"; mean reward {sum(s.reward for s in samples) / max(len(samples), 1):.3f}, "
+                    f"{sum(s.status == 'unparsed' for s in scores)} unparsed")
     if stats.failures:
         summary += f"; {len(stats.failures)} failed requests retried, retired servers: {stats.retired or 'none'}"
     print(summary)
@@ -237,8 +239,9 @@ def run_plot(args) -> int:
 def _tiny_model_parser(sub) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--warm-start", choices=("arithmetic",), help="supervised format warm-start for this task "
-                   "(answers with one random digit: reward at chance, see megatron_gspo/dev/warm_start.py)")
+    p.add_argument("--warm-start", choices=("arithmetic", "long_addition"), help="supervised format warm-start "
+                   "for this task, with random answers: reward at chance (arithmetic: one random digit; "
+                   "long_addition: the worked lines with random digits; megatron_gspo/dev/warm_start.py)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
                    "Qwen3: for rollout.backend=megatron (SGLang on CPU cannot serve MoE)")
@@ -247,12 +250,16 @@ def _tiny_model_parser(sub) -> None:
 
 def run_tiny_model(args) -> int:
     from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-    from megatron_gspo.dev.warm_start import warm_start_format
+    from megatron_gspo.dev.warm_start import warm_start_format, warm_start_long_addition
 
     out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed, num_experts=4 if args.moe else 0))
-    if args.warm_start:
+    if args.warm_start == "arithmetic":
         digit_fraction = warm_start_format(out, seed=args.seed)
         print(f"format warm-start: {digit_fraction:.0%} of greedy answers are one digit")
+    elif args.warm_start == "long_addition":
+        format_rate, accuracy = warm_start_long_addition(out, seed=args.seed)
+        print(f"format warm-start: {format_rate:.0%} of greedy responses state an answer, {accuracy:.0%} right "
+              "(chance: 1%)")
     print(out)
     return 0
 
@@ -281,17 +288,21 @@ def run_eval(args) -> int:
 
 
 def _make_data_parser(sub) -> None:
-    p = sub.add_parser("make-data", help="write the demo's prompt files (train.jsonl, test.jsonl)")
-    p.add_argument("task", choices=("arithmetic",), help="arithmetic: the 55 single-digit sums, 45 train / 10 test")
+    p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
+    p.add_argument("task", choices=("arithmetic", "long_addition"),
+                   help="arithmetic: the 55 single-digit sums, 45 train / 10 test (reward exact_match); "
+                        "long_addition: the 3240 two-digit sums a+b<=99, 3040 train / 200 test, answered "
+                        "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py)")
     p.add_argument("out", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     p.set_defaults(func=run_make_data)
 
 
 def run_make_data(args) -> int:
-    from megatron_gspo.data import write_arithmetic_data
+    from megatron_gspo.data import write_arithmetic_data, write_long_addition_data
 
-    for path in write_arithmetic_data(args.out, seed=args.seed):
+    write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data}[args.task]
+    for path in write(args.out, seed=args.seed):
         print(path)
     return 0
 

@@ -358,8 +358,9 @@ class RewardConfig:
 
     fn: str = "math"
     """math (Hugging Face math-verify: LaTeX, fractions, \\boxed{}, intervals, sets), exact_match (stripped
-    strings equal), or `package.module:function` taking a Sample (prompt, response_text, answer,
-    metadata) and returning a float."""
+    strings equal), final_answer (the integer on the last "answer: N" line), or `package.module:function`
+    taking a Sample (prompt, response_text, answer, metadata) and returning a float (or raising
+    megatron_gspo.rewards.Unparsed: scored 0, counted in reward/unparsed_fraction)."""
     workers: int = 2
     """Worker processes scoring in parallel (a hung or crashed one is killed and replaced). 0: score in the
     trainer's rollout thread, no process: for cheap, trusted functions such as exact_match (no time limit;

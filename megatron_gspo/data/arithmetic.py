@@ -5,10 +5,10 @@ files, so held-out accuracy measures generalisation to unseen pairs, not recall.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 from pathlib import Path
+
+from megatron_gspo.data.splits import write_split
 
 PAIRS = tuple((a, b) for a in range(10) for b in range(10 - a))
 """The 55 (a, b) with a + b <= 9."""
@@ -29,11 +29,5 @@ def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, test_pairs: int
         raise ValueError(f"test_pairs must be in [1, {len(PAIRS) - 1}], got {test_pairs}")
     pairs = list(PAIRS)
     random.Random(seed).shuffle(pairs)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "test.jsonl"
-    for path, part in zip(paths, (pairs[test_pairs:], pairs[:test_pairs])):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(json.dumps(arithmetic_row(a, b)) + "\n" for a, b in part))
-        os.replace(tmp, path)
-    return paths
+    return write_split(out_dir, [arithmetic_row(a, b) for a, b in pairs[test_pairs:]],
+                       [arithmetic_row(a, b) for a, b in pairs[:test_pairs]])

@@ -3,7 +3,8 @@
 For debugging a reward function before a run: the sample goes through a one-worker `RewardPool`,
 so a hang or a crash shows up as it would in training (a timeout or an error), not as a stuck shell.
 Output: a status line, then the reward alone as the last line of stdout (so scripts can read it
-with `tail -n1`). A timeout or an error prints its detail on stderr, 0.0 on stdout, and exits 1.
+with `tail -n1`). A response the function could not parse ("unparsed", a 0 reward) says why in the
+status line and exits 0; a timeout or an error prints its detail on stderr, 0.0 on stdout, and exits 1.
 
 Wired into `megatron_gspo/cli.py` by `add_score_parser(sub)`; also runnable on its own as
 `python -m megatron_gspo.rewards.cli score ...`.
@@ -19,8 +20,8 @@ def add_score_parser(subparsers) -> None:
     """Register the `score` command on an argparse subparsers object."""
     p = subparsers.add_parser("score", help="score one response with a reward function (through a worker "
                               "process with the training time limit) and print the reward last")
-    p.add_argument("--fn", default="math", help="built-in ('math', 'exact_match') or 'package.module:function' "
-                   "(default: math)")
+    p.add_argument("--fn", default="math", help="built-in ('math', 'exact_match', 'final_answer') or "
+                   "'package.module:function' (default: math)")
     p.add_argument("--answer", required=True, help="reference answer")
     p.add_argument("--response", required=True, help="the response text to score")
     p.add_argument("--prompt", help="prompt text, for functions that read it")
@@ -48,8 +49,8 @@ def run_score(args) -> int:
                     answer=args.answer, metadata=args.metadata)
     with RewardPool(args.fn, workers=1, timeout_s=args.timeout_s) as pool:
         (score,) = pool.score([sample])
-    if score.status == "ok":
-        print(f"reward {args.fn}: ok")
+    if score.status in ("ok", "unparsed"):
+        print(f"reward {args.fn}: {score.status}" + (f": {score.detail}" if score.detail else ""))
         print(score.value)
         return 0
     print(f"reward {args.fn}: {score.status}: {score.detail}", file=sys.stderr)

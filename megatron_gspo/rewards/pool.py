@@ -7,6 +7,8 @@ and Megatron in every worker). Each worker is driven by one thread of the pool, 
 next queued sample, sends it, and waits at most T seconds, timed from the send, for the answer.
 
 What can go wrong with a sample, and what it costs:
+- the response states no answer the function can read (it raises `Unparsed`): Score(0, "unparsed"),
+  an ordinary zero reward for the policy, counted but no failure of the function;
 - the function raises or returns a non-number / NaN / inf: Score(0, "error"), the worker goes on;
 - it runs past T: the worker is killed and replaced, Score(0, "timeout");
 - the worker dies (os._exit, a segfault): Score(0, "error", "worker died (exit code N)"), replaced.
@@ -53,11 +55,12 @@ class Score:
 
     value: float
     """The reward; 0.0 unless status is "ok"."""
-    status: Literal["ok", "timeout", "error"]
-    """"ok": the function returned a finite number; "timeout": it ran past the limit;
-    "error": it raised, returned something else, or its worker died."""
+    status: Literal["ok", "unparsed", "timeout", "error"]
+    """"ok": the function returned a finite number; "unparsed": it raised `Unparsed` (the response states
+    no answer it can read); "timeout": it ran past the limit; "error": it raised anything else, returned
+    something else, or its worker died."""
     detail: str = ""
-    """What went wrong (empty when ok)."""
+    """What went wrong, or why nothing was parsed (empty when ok)."""
 
 
 class _WorkerDied(Exception):
@@ -208,8 +211,7 @@ class RewardPool:
             for sample in samples:
                 future: concurrent.futures.Future = concurrent.futures.Future()
                 if self._inline is not None:
-                    status, payload = score_one(self._inline, sample)
-                    future.set_result(Score(payload, "ok") if status == "ok" else Score(0.0, "error", payload))
+                    future.set_result(_score(*score_one(self._inline, sample)))
                 else:
                     self._jobs.put((sample, future))
                 futures.append(future)
@@ -274,15 +276,20 @@ class RewardPool:
             worker.kill()
             self._replace(slot)
             return Score(0.0, "error", detail)
-        if status == "ok":
-            return Score(payload, "ok")
-        return Score(0.0, "error", payload)
+        return _score(status, payload)
 
     def _replace(self, slot: int) -> None:
         worker = _Worker(self.fn_spec)
         worker.handshake()
         self._workers[slot] = worker
         self.replacements += 1
+
+
+def _score(status: str, payload) -> Score:
+    """The Score of a `score_one` reply (the same in a worker and inline)."""
+    if status == "ok":
+        return Score(payload, "ok")
+    return Score(0.0, "unparsed" if status == "unparsed" else "error", payload)
 
 
 def _describe(sample: Sample, score: Score) -> str:
@@ -292,11 +299,12 @@ def _describe(sample: Sample, score: Score) -> str:
 
 
 def check_batch(scores: Sequence[Score], samples: Sequence[Sample], fn_spec: str) -> None:
-    """RewardError when more than half of the batch did not score "ok" (the function itself is
-    broken, not one hostile response); the message names the function, the counts and one failure."""
+    """RewardError when more than half of the batch timed out or failed (the function itself is broken,
+    not one hostile response; "unparsed" is a reward, not a failure); the message names the function,
+    the counts and one failure."""
     if len(scores) != len(samples):
         raise ValueError(f"check_batch: {len(scores)} scores for {len(samples)} samples")
-    failed = [(sample, score) for sample, score in zip(samples, scores) if score.status != "ok"]
+    failed = [(sample, score) for sample, score in zip(samples, scores) if score.status in ("timeout", "error")]
     if 2 * len(failed) <= len(scores):
         return
     timeouts = sum(score.status == "timeout" for _, score in failed)

@@ -5,8 +5,13 @@ Built-ins (by name):
   (LaTeX, \\boxed{}, plain numbers, intervals, sets) and compared symbolically, so "\\boxed{0.5}"
   scores 1.0 against "\\frac{1}{2}" and "The answer is 7." against "7".
 - "exact_match": the stripped response equals the stripped answer.
+- "final_answer": the integer on the response's last "answer: N" line equals the (integer) answer; the
+  steps before it are not read (the long_addition task, megatron_gspo/data/long_addition.py). A
+  response without such a line raises `Unparsed`: 0, counted in reward/unparsed_fraction.
 
-A user function is named "package.module:function" and must take a `Sample` and return a number.
+A user function is named "package.module:function" and must take a `Sample` and return a number; it may
+raise `megatron_gspo.rewards.Unparsed` when the response states no answer it can read (scored 0 and
+counted as unparsed, not as an error).
 
 Time limits: math-verify's own timeouts use SIGALRM, which works only in a process's main thread
 and would fight the pool's deadline. They are turned off here (`parsing_timeout=None`,
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from typing import Callable
 
 from math_verify import parse, verify
 
+from megatron_gspo.rewards import Unparsed
 from megatron_gspo.samples import Sample
 
 RewardFn = Callable[[Sample], float]
@@ -30,6 +37,10 @@ RewardFn = Callable[[Sample], float]
 MAX_RESPONSE_CHARS = 10_000
 """math_reward parses only the last this-many characters of a response (the final answer is at the
 end; a hostile 10^6-character response costs the same as a 10^4 one)."""
+
+_ANSWER_LINE = re.compile(r"^[ \t]*answer:[ \t]*([+-]?[0-9]+)[ \t\r]*$", re.IGNORECASE | re.MULTILINE)
+"""A whole line "answer: N" (N an integer; case and spaces around it free). No nested repetition: linear
+time on any text, so final_answer reads whole responses (a 10^6-character one in milliseconds)."""
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -81,11 +92,33 @@ def math_reward(sample: Sample) -> float:
     return float(verify(gold, prediction, timeout_seconds=None))
 
 
-BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match}
+def _integer(text: str) -> str:
+    """The canonical spelling of an integer literal ("+007" -> "7", "-0" -> "0"), without int(): Python
+    refuses int() of more than 4300 digits, and a response may hold any number of them."""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return "-" + digits if text.startswith("-") and digits != "0" else digits
+
+
+def final_answer(sample: Sample) -> float:
+    """1.0 when the integer on the response's last "answer: N" line equals the sample's answer, else 0.0.
+
+    Only that line is read ("ones: 7+5+0=12, ...\\nanswer: 82" and "answer: 082" both state 82). Raises
+    Unparsed when no line of the response is "answer: N", and ValueError when the sample's answer is not
+    an integer (the data, not the response, is wrong).
+    """
+    if sample.answer is None or not re.fullmatch(r"[+-]?[0-9]+", sample.answer.strip()):
+        raise ValueError(f"final_answer needs an integer answer, got {sample.answer!r}")
+    stated = _ANSWER_LINE.findall(sample.response_text or "")
+    if not stated:
+        raise Unparsed("no line 'answer: N' in the response")
+    return float(_integer(stated[-1]) == _integer(sample.answer.strip()))
+
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "final_answer": final_answer}
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in name ("math", "exact_match") or a user function "package.module:function"."""
+    """A built-in name (BUILTIN) or a user function "package.module:function"."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")

@@ -6,10 +6,12 @@ length-prefixed pickles (`write_message` / `read_message`):
 
     worker -> parent, once:   ("ready", pid)  or  ("load_error", message)   (then it exits)
     parent -> worker:         Sample
-    worker -> parent:         ("ok", value)  or  ("error", detail)
+    worker -> parent:         ("ok", value)  or  ("unparsed", detail)  or  ("error", detail)
 
-A Python exception, a non-number or a non-finite number is an "error" reply and the worker goes
-on; hangs and crashes are the parent's business (it kills and replaces the process).
+A function raising `megatron_gspo.rewards.Unparsed` (the response states no answer it can read) is an
+"unparsed" reply, scored 0 and counted apart from errors. Any other Python exception, a non-number or a
+non-finite number is an "error" reply and the worker goes on; hangs and crashes are the parent's business
+(it kills and replaces the process).
 
 Imports stay light (no torch, no Megatron: `megatron_gspo/__init__.py` is empty), so a worker
 starts in a fraction of a second. The function's own prints go to stderr: fd 1 is the protocol
@@ -24,6 +26,10 @@ import pickle
 import struct
 import sys
 from typing import BinaryIO
+
+# Imported, not defined here: run as `python -m`, this file is `__main__`, and a class defined in it
+# would not be the one reward functions raise.
+from megatron_gspo.rewards import Unparsed
 
 _LENGTH = struct.Struct("<Q")
 
@@ -48,9 +54,12 @@ def read_message(stream: BinaryIO):
 
 
 def score_one(fn, sample) -> tuple[str, float | str]:
-    """("ok", value) for a finite real number, else ("error", what went wrong)."""
+    """("ok", value) for a finite real number, ("unparsed", message) when `fn` raises Unparsed, else
+    ("error", what went wrong)."""
     try:
         value = fn(sample)
+    except Unparsed as e:
+        return "unparsed", str(e)
     except Exception as e:
         return "error", f"raised {type(e).__name__}: {e}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

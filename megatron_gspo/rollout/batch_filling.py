@@ -49,7 +49,7 @@ class ScoredBatch:
     generated_rewards: list[list[float]] = field(default_factory=list)
     """The rewards of every generated group (kept, dropped or surplus), in generation order."""
     score_counts: ScoreCounts = field(default_factory=ScoreCounts)
-    """Timeouts, errors and truncated responses over every generated sample, and the wait for rewards."""
+    """Timeouts, errors, unparsed and truncated responses over every generated sample, and the wait for rewards."""
 
     @property
     def num_dropped(self) -> int:
@@ -83,6 +83,7 @@ class ScoredBatch:
                 "rollout/weight_version": ",".join(versions),
                 "reward/timeouts": float(counts.timeouts),
                 "reward/errors": float(counts.errors),
+                "reward/unparsed_fraction": counts.unparsed / max(counts.samples, 1),
                 "rollout/response_truncated_fraction": counts.truncated / max(counts.samples, 1),
                 "time/reward_wait_s": counts.wait_s,
                 # over every round of dynamic sampling: all response tokens / all generation time

@@ -36,13 +36,15 @@ class ScoreCounts:
     """Samples whose verifier ran past reward.timeout_s (scored 0)."""
     errors: int = 0
     """Samples whose verifier raised, crashed or returned a non-number (scored 0)."""
+    unparsed: int = 0
+    """Samples whose response states no answer the verifier can read (it raised Unparsed; scored 0)."""
     truncated: int = 0
     """Responses cut by max_new_tokens (finish reason "length")."""
     wait_s: float = 0.0
     """Seconds `score` waited for rewards after generation returned."""
 
     def add(self, other: "ScoreCounts") -> None:
-        for name in ("samples", "timeouts", "errors", "truncated", "wait_s"):
+        for name in ("samples", "timeouts", "errors", "unparsed", "truncated", "wait_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -80,12 +82,13 @@ class Scorer:
             flat = [s for group in scores for s in group]
             counts.timeouts = sum(s.status == "timeout" for s in flat)
             counts.errors = sum(s.status == "error" for s in flat)
+            counts.unparsed = sum(s.status == "unparsed" for s in flat)
             check_batch(flat, [s for g in groups for s in g], self.reward.fn)
             rewards = [[s.value for s in group] for group in scores]
         if self.collective:
-            box = [(rewards, counts.timeouts, counts.errors)]
+            box = [(rewards, counts.timeouts, counts.errors, counts.unparsed)]
             dist.broadcast_object_list(box, src=0)
-            rewards, counts.timeouts, counts.errors = box[0]
+            rewards, counts.timeouts, counts.errors, counts.unparsed = box[0]
         for group, values in zip(groups, rewards):
             for sample, value in zip(group, values):
                 sample.reward = float(value)

@@ -17,7 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = EXAMPLES / "tiny_cpu.yaml"
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu", "qwen3_30b_a3b_gspo", "qwen3_235b_a22b_gspo"])
+@pytest.mark.parametrize("name", ["tiny_cpu", "tiny_long_cpu", "qwen3_30b_a3b_gspo", "qwen3_235b_a22b_gspo"])
 def test_presets_load(name):
     config = load_config(EXAMPLES / f"{name}.yaml")
     assert isinstance(config, TrainConfig)

@@ -8,6 +8,7 @@ import pytest
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.evaluation import eval_metrics, pass_at_k
 from megatron_gspo.rewards.pool import RewardError, RewardPool
+from megatron_gspo.rollout.batch_filling import ScoredBatch
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.samples import Sample
 
@@ -56,3 +57,20 @@ def test_scorer_counts_timeouts_errors_and_truncation():
     with RewardPool("tests.unit.reward_fns:raises", workers=1) as pool:
         with pytest.raises(RewardError, match="raises"):
             score(Scorer(pool, RewardConfig(fn="tests.unit.reward_fns:raises")), groups)
+
+
+def test_scorer_counts_unparsed_responses_and_the_batch_logs_their_fraction():
+    groups = [[sample("answer: 1", group=0, index=0), sample("one", group=0, index=1)],
+              [sample("no answer", group=1, index=0), sample("answer: 2", group=1, index=1)],
+              [sample("answe", finish="length", group=2, index=0), sample("answer: 1", group=2, index=1)]]
+    with RewardPool("final_answer", workers=0) as pool:
+        counts = score(Scorer(pool, RewardConfig(fn="final_answer")), groups)
+        # reward.truncated=zero: the cut response is not scored, so it is not counted as unparsed either
+        counts = score(Scorer(pool, RewardConfig(fn="final_answer", truncated="zero")), groups)
+        assert (counts.samples, counts.unparsed, counts.truncated) == (6, 2, 1)
+        counts = score(Scorer(pool, RewardConfig(fn="final_answer")), groups)   # truncated=keep
+        assert [[s.reward for s in g] for g in groups] == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
+        assert (counts.samples, counts.unparsed, counts.errors, counts.truncated) == (6, 3, 0, 1)
+    metrics = ScoredBatch(groups=groups, generated_rewards=[[s.reward for s in g] for g in groups],
+                          score_counts=counts).metrics()
+    assert metrics["reward/unparsed_fraction"] == 0.5   # 3 of 6

@@ -91,6 +91,18 @@ def test_bad_functions_are_errors_and_the_worker_survives(fn, detail, workers):
         assert scores == [Score(0.0, "error", detail)] * 2 and pool.replacements == 0
 
 
+@pytest.mark.parametrize("workers", [1, 0])
+def test_unparsed_is_a_zero_counted_apart_from_errors(workers):
+    # final_answer raises megatron_gspo.rewards.Unparsed on a response without an "answer: N" line; in a
+    # worker (run as __main__) and in this process alike it must come back as "unparsed", not "error".
+    with RewardPool("final_answer", workers=workers, timeout_s=10) as pool:
+        scores = pool.score([sample("answer: 7"), sample("seven"), sample("answer: 8")])
+    assert scores == [Score(1.0, "ok"), Score(0.0, "unparsed", "no line 'answer: N' in the response"),
+                      Score(0.0, "ok")]
+    # A batch where nothing parses is a policy that has not learnt the format, not a broken verifier.
+    check_batch([scores[1]] * 4, [sample("seven", index=i) for i in range(4)], "final_answer")
+
+
 def test_stdout_noise_does_not_break_the_protocol():
     with RewardPool("reward_fns:prints", workers=1, timeout_s=5) as pool:
         assert pool.score([sample("x")] * 3) == [Score(0.5, "ok")] * 3
@@ -149,6 +161,9 @@ def test_score_cli_prints_the_reward_last():
     done = run_cli("--fn", "reward_fns:hang_on_hang", "--answer", "1", "--response", "hang", "--timeout-s", "0.3")
     assert done.returncode == 1 and done.stdout.splitlines()[-1] == "0.0"
     assert "timeout" in done.stderr
+    done = run_cli("--fn", "final_answer", "--answer", "1", "--response", "one")   # a zero, not a failure
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        "reward final_answer: unparsed: no line 'answer: N' in the response", "0.0"]
     done = run_cli("--fn", "reward_fns:missing", "--answer", "1", "--response", "1")
     assert done.returncode == 1 and "cannot be loaded" in done.stderr
 

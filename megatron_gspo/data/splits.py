@@ -1,0 +1,22 @@
+"""Writing a task's train/test prompt files (the demo tasks: arithmetic.py, long_addition.py)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+
+def write_split(out_dir: str | Path, train_rows: Iterable[dict], test_rows: Iterable[dict]) -> tuple[Path, Path]:
+    """OUT_DIR/train.jsonl and OUT_DIR/test.jsonl, one JSON row per line; returns (train path, test path).
+
+    Each file is written under a temporary name and renamed, so a reader never sees half a file.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "test.jsonl"
+    for path, rows in zip(paths, (train_rows, test_rows)):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        os.replace(tmp, path)
+    return paths
