@@ -21,7 +21,8 @@ sglang/srt/plugins/__init__.py), declared by the `megatron_gspo_sglang_cpu-*.dis
 file. rollout/sglang/server.py puts this folder on PYTHONPATH for CPU servers only; every SGLang process
 calls `load_plugins()` at start; the plugin prints INSTALLED (below) to the server log. GPU servers
 never see it. MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION=0 in the server's environment turns it off
-(ServerConfig.batched_attention=False).
+(ServerConfig.batched_attention=False). install() also installs, whatever that switch says, the sibling
+module megatron_gspo_sglang_cpu_routing.py (without it --enable-return-routed-experts cannot start on CPU).
 
 The two functions import only torch: the trainer's tests run them without SGLang.
 """
@@ -101,7 +102,12 @@ def _extend_hook(original, self, query, output, k_cache, v_cache, req_to_token, 
 
 
 def install() -> None:
-    """SGLang general-plugin entry point: wrap the torch_native backend's two per-request loops."""
+    """SGLang general-plugin entry point: the unpinned routed-experts buffer (megatron_gspo_sglang_cpu_routing.py,
+    always: without it --enable-return-routed-experts cannot start on CPU), then, unless switched off, wrap the
+    torch_native backend's two per-request loops."""
+    import megatron_gspo_sglang_cpu_routing
+
+    megatron_gspo_sglang_cpu_routing.install()
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -39,10 +39,10 @@ BATCHED_ATTENTION_ENV = "MEGATRON_GSPO_SGLANG_BATCHED_ATTENTION"
 """Read by the CPU plugin (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py): "0" turns it off."""
 
 
-def cpu_plugin():
-    """The CPU servers' SGLang plugin module (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py),
-    loaded from its folder for tests; the trainer itself never runs it."""
-    spec = importlib.util.spec_from_file_location("megatron_gspo_sglang_cpu", CPU_STUBS_DIR / "megatron_gspo_sglang_cpu.py")
+def cpu_plugin(name: str = "megatron_gspo_sglang_cpu"):
+    """The CPU servers' SGLang plugin module (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu.py) or one of
+    the modules it installs (`name`), loaded from its folder for tests; the trainer itself never runs it."""
+    spec = importlib.util.spec_from_file_location(name, CPU_STUBS_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

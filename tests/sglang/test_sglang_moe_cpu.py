@@ -1,0 +1,148 @@
+"""SGLang on CPU serving a tiny Qwen3-MoE (written by transformers, float32): its log-probs and its routed
+experts are those of transformers' own float32 forward.
+
+SGLang 0.5.23 runs a MoE on a CPU without AMX on pure-torch paths (TopK.forward_native ->
+fused_topk_torch_native, layers/moe/topk.py; UnquantizedFusedMoEMethod.forward_native = forward_cpu ->
+moe_forward_native, layers/moe/fused_moe_native.py). Those need no patch: the log-prob test passes on stock
+SGLang and fails when the router's top-k renormalisation is broken on purpose (measured, 1.5-4.0 max delta).
+One server for both tests, started with --enable-return-routed-experts, which on CPU needs the plugin's
+unpinned host buffer (platform/sglang_cpu_stubs/megatron_gspo_sglang_cpu_routing.py; without it the
+server dies at start-up and every test here errors).
+"""
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from megatron_gspo.dev.tiny_model import TinyQwen3Spec, arithmetic_corpus, make_tiny_qwen3
+from megatron_gspo.rollout.routed_experts import RoutingSpec, decode_routed_experts
+from megatron_gspo.rollout.server import ServerConfig, cpu_plugin, launch_servers
+
+pytestmark = pytest.mark.sglang
+# The demo's tiny model (2 layers, hidden 64, vocab 512 of the tiny tokenizer) with 8 experts of width 48,
+# top-2: 28 possible expert pairs per position, so a routing array off by one position cannot match.
+SPEC = TinyQwen3Spec(num_experts=8, num_experts_per_tok=2)
+TEMPERATURE = 0.7
+LOGPROB_TOLERANCE = 1e-4
+"""Max |SGLang - transformers| of a log-prob. Measured on this model (float32 on both sides, CPU), two runs
+at 1, 4 and 16 prompts per request: up to 2.1e-6 (prompt tokens) and 6.7e-6 (response tokens)."""
+ROUTER_TIE = 1e-4
+"""Router logits closer than this at the top-k boundary may pick either expert (float32 rounding differs
+between the two implementations); measured: no such position in this test."""
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_moe"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_dir, tmp_path_factory):
+    config = ServerConfig(model_path=str(moe_dir), dtype="float32", return_routed_experts=True,
+                          log_dir=str(tmp_path_factory.mktemp("sglang_moe_logs")), startup_timeout_s=240)
+    with launch_servers(config, num_servers=1) as servers:
+        print(f"\nSGLang MoE server ready after {servers[0].ready_after_s:.1f} s")
+        yield servers[0]
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def moe_tokenizer(moe_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(moe_dir)
+
+
+def ragged_prompts(tokenizer, k: int, seed: int) -> list[list[int]]:
+    """k prompts of 1 to 3 arithmetic lines ("12+7=19 5*3="), 4 to ~20 tokens: a ragged batch."""
+    lines = arithmetic_corpus(3 * k, seed)
+    return [tokenizer(" ".join(lines[3 * i: 3 * i + 1 + i % 3]).rsplit("=", 1)[0] + "=")["input_ids"]
+            for i in range(k)]
+
+
+def generate(server, prompts: list[list[int]], **body) -> list[dict]:
+    """One /generate request for all `prompts` (SGLang's batch form); the answers, prompt-major."""
+    response = httpx.post(f"{server.url}/generate", json={"input_ids": prompts, **body}, timeout=120)
+    response.raise_for_status()
+    return response.json()
+
+
+def logprobs_of(entries) -> torch.Tensor:
+    """SGLang's [[logprob, token id, text], ...] -> the log-probs; a NaN arrives as null and stays NaN."""
+    return torch.tensor([float("nan") if e[0] is None else e[0] for e in entries], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_logprobs_equal_transformers_float32(moe_server, hf_moe, moe_tokenizer, batch):
+    """Response log-probs are log_softmax(logits / T), prompt log-probs (logprob_start_len=0) are
+    log_softmax(logits), not temperature-scaled (PLATFORM facts, SGLang 0.5.23)."""
+    prompts = ragged_prompts(moe_tokenizer, batch, seed=batch)
+    answers = generate(moe_server, prompts, return_logprob=True, logprob_start_len=0,
+                       sampling_params={"max_new_tokens": 8, "temperature": TEMPERATURE})
+    assert len(answers) == batch
+    prompt_deltas, response_deltas = [], []
+    for prompt, answer in zip(prompts, answers):
+        P, response = len(prompt), answer["output_ids"]
+        meta = answer["meta_info"]
+        with torch.no_grad():
+            logits = hf_moe(torch.tensor([prompt + response])).logits[0].double()
+        targets = torch.tensor(prompt[1:] + response)[:, None]
+        expected_prompt = torch.log_softmax(logits[:P - 1], -1).gather(1, targets[:P - 1])[:, 0]
+        expected_response = torch.log_softmax(logits[P - 1:-1] / TEMPERATURE, -1).gather(1, targets[P - 1:])[:, 0]
+        # The first prompt token has no log-prob (nothing predicts it).
+        prompt_deltas.append((logprobs_of(meta["input_token_logprobs"][1:]) - expected_prompt).abs())
+        response_deltas.append((logprobs_of(meta["output_token_logprobs"]) - expected_response).abs())
+    prompt_delta, response_delta = torch.cat(prompt_deltas), torch.cat(response_deltas)
+    print(f"\n{batch} prompts: max |SGLang - transformers fp32| prompt {prompt_delta.max():.1e} "
+          f"({prompt_delta.numel()} tokens), response {response_delta.max():.1e} ({response_delta.numel()} tokens)")
+    assert prompt_delta.isfinite().all() and response_delta.isfinite().all(), "NaN log-probs from the server"
+    assert prompt_delta.max() < LOGPROB_TOLERANCE and response_delta.max() < LOGPROB_TOLERANCE
+
+
+def hf_routing(model, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The experts transformers' routers pick for each position and layer ([T, L, k], sorted per row), and
+    where the k-th and (k+1)-th router logits are within ROUTER_TIE ([T, L]: either pick is right)."""
+    outputs = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: outputs.append(out))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = SPEC.num_experts_per_tok
+    picks = torch.stack([indices for _, _, indices in outputs], dim=1)
+    top = torch.stack([logits for logits, _, _ in outputs], dim=1).topk(k + 1, dim=-1).values
+    return np.sort(picks.numpy(), axis=-1), (top[..., k - 1] - top[..., k] < ROUTER_TIE).numpy()
+
+
+def test_routed_experts_are_transformers_top_k(moe_server, moe_dir, hf_moe, moe_tokenizer):
+    """meta_info.routed_experts ([P + R - 1, L, k], rollout/routed_experts.py) holds, at every input
+    position and layer, the expert set transformers routes that token to; the same array read one
+    position off does not."""
+    assert cpu_plugin("megatron_gspo_sglang_cpu_routing").INSTALLED in moe_server.log_path.read_text(errors="replace")
+    spec = RoutingSpec.from_hf_config(moe_dir)
+    prompts = ragged_prompts(moe_tokenizer, 4, seed=7)
+    answers = generate(moe_server, prompts, return_routed_experts=True,
+                       sampling_params={"max_new_tokens": 8, "temperature": 1.0, "n": 2})
+    assert len(answers) == 2 * len(prompts)
+    aligned, shifted, ties = [], [], 0
+    for i, answer in enumerate(answers):
+        prompt, response = prompts[i // 2], answer["output_ids"]
+        served = np.sort(decode_routed_experts(answer["meta_info"]["routed_experts"], prompt_len=len(prompt),
+                                               response_len=len(response), spec=spec), axis=-1)
+        expected, tie = hf_routing(hf_moe, prompt + response[:-1])  # the last response token is never fed back
+        assert served.shape == expected.shape == (len(prompt) + len(response) - 1, SPEC.num_layers, 2)
+        aligned.append((served == expected).all(-1) | tie)
+        shifted.append((served[1:] == expected[:-1]).all(-1) | tie[:-1])
+        ties += int(tie.sum())
+    aligned, shifted = np.concatenate(aligned).ravel(), np.concatenate(shifted).ravel()
+    print(f"\n(position, layer) expert sets equal to transformers': {aligned.mean():.3f} of {aligned.size}; "
+          f"one position off: {shifted.mean():.3f}; near-tied routers excused: {ties}")
+    assert aligned.all()
+    assert not shifted.all()
