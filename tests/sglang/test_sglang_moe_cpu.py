@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_gspo.config import RolloutConfig
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, arithmetic_corpus, make_tiny_qwen3
-from megatron_gspo.rollout.routed_experts import RoutingSpec, decode_routed_experts
-from megatron_gspo.rollout.server import ServerConfig, cpu_plugin, launch_servers
+from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec, decode_routed_experts
+from megatron_gspo.rollout.sglang.server import ServerConfig, cpu_plugin, launch_servers
 
 pytestmark = pytest.mark.sglang
 # The demo's tiny model (2 layers, hidden 64, vocab 512 of the tiny tokenizer) with 8 experts of width 48,
@@ -38,8 +39,9 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_server(moe_dir, tmp_path_factory):
-    config = ServerConfig(model_path=str(moe_dir), dtype="float32", return_routed_experts=True,
-                          log_dir=str(tmp_path_factory.mktemp("sglang_moe_logs")), startup_timeout_s=240)
+    config = ServerConfig(model_path=str(moe_dir), settings=RolloutConfig(server_startup_timeout_s=240), device="cpu",
+                          dtype="float32", return_routed_experts=True,
+                          log_dir=str(tmp_path_factory.mktemp("sglang_moe_logs")))
     with launch_servers(config, num_servers=1) as servers:
         print(f"\nSGLang MoE server ready after {servers[0].ready_after_s:.1f} s")
         yield servers[0]
