@@ -38,7 +38,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_gspo.config import GSPOConfig, ParallelConfig
+    from megatron_gspo.config import CorrectionConfig, GSPOConfig, ParallelConfig
     from megatron_gspo.loss.advantages import group_advantages
     from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
     from megatron_gspo.model.routing import MoERouting
@@ -89,7 +89,7 @@ def worker(args) -> None:
                 for param, value in zip((p for chunk in model for p in chunk.parameters()), initial):
                     param.copy_(value)
             settings = StepSettings(loss=loss, num_minibatches=4, max_tokens_per_microbatch=args.max_tokens,
-                                    pack_sequences=False)
+                                    pack_sequences=False, correction=CorrectionConfig())
             source = old_logprobs_source(GSPOConfig(routing_replay="off" if mode == "none" else mode),
                                          None if mode == "none" else routing)
             passes.clear()

@@ -44,6 +44,17 @@ class MicroBatch:
     sequence. None: one sequence per row, causal attention over the row."""
     positions_BS: torch.Tensor | None = None
     """Packed rows: each position's index within its own sequence (the rotary position). None: 0..S-1."""
+    correction_BS: torch.Tensor | None = None
+    """Train-inference correction weights of labels_BS (float32, stop-gradient; loss/correction.py), set with
+    pi_old's log-probs when correction.weight is on; 1 where loss_mask is 0. None: no correction."""
+
+    def sequence_index(self) -> tuple[torch.Tensor, int]:
+        """([B * S] each position's sequence, N): rows, or packed rows' segments (padding in sequence 0: it
+        is never in the loss mask)."""
+        if self.packed:
+            return self.segments_BS.flatten().clamp(min=0), self.num_sequences
+        rows, length = self.tokens_BS.shape
+        return torch.arange(rows).repeat_interleave(length), rows
 
     @property
     def packed(self) -> bool:

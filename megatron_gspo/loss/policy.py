@@ -44,6 +44,9 @@ class _Sequences(NamedTuple):
     nonfinite_S: torch.Tensor    # some response token had a NaN/inf log-prob (current or old)
     owner: bool                  # this rank counts the sequences (CP rank 0)
     cp_group: object
+    weights_T: torch.Tensor | None = None    # stop-gradient correction weight of each token's term (or None)
+    weighted_log_ratio_sum_S: torch.Tensor | None = None  # value = log_ratio_sum_S, gradient weighted by w_t
+    weight_mean_S: torch.Tensor | None = None  # mean w_t over each sequence's tokens (no grad)
 
 
 def _sequence_index(cu_seqlens, sequence_ids, num_sequences, num_tokens: int, device):
@@ -71,7 +74,7 @@ def _sequence_index(cu_seqlens, sequence_ids, num_sequences, num_tokens: int, de
 
 
 def _sequences(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens, cp_group, sequence_ids=None,
-               num_sequences=None) -> _Sequences:
+               num_sequences=None, weights_T=None) -> _Sequences:
     num_tokens = logprobs_T.shape[0]
     if not (old_logprobs_T.shape == loss_mask_T.shape == logprobs_T.shape) or logprobs_T.dim() != 1:
         raise ValueError(f"logprobs {tuple(logprobs_T.shape)}, old_logprobs {tuple(old_logprobs_T.shape)}"
@@ -91,23 +94,32 @@ def _sequences(logprobs_T, old_logprobs_T, loss_mask_T, cu_seqlens, cp_group, se
     def per_seq(values_T: torch.Tensor) -> torch.Tensor:
         return values_T.new_zeros(num_seqs).index_add(0, seq_T, values_T)
 
-    # One collective for the whole batch: [log-ratio sum, token count, non-finite count] per sequence.
-    # Only the sum carries gradient; the counts ride along to avoid a second round trip.
-    stats_S3 = torch.stack([per_seq(log_ratio_T),
-                            per_seq(response_T.float()),
-                            per_seq((response_T & ~finite_T).float())], dim=1)
-    stats_S3 = all_reduce_sum(stats_S3, cp_group)
-    log_ratio_sum_S, count_S, nonfinite_count_S = stats_S3.unbind(dim=1)
+    # One collective for the whole batch: [log-ratio sum, token count, non-finite count] per sequence (with
+    # correction weights also the weighted-gradient log-ratio sum and the weight sum). Only the sums of
+    # log-ratios carry gradient; the counts ride along to avoid a second round trip.
+    columns = [per_seq(log_ratio_T), per_seq(response_T.float()), per_seq((response_T & ~finite_T).float())]
+    if weights_T is not None:
+        weights_T = torch.where(usable_T, weights_T.float().detach(), torch.ones_like(log_ratio_T))
+        # value sum_t x_t, gradient sum_t w_t dx_t (w_t = 1: the same number, bit for bit)
+        columns += [per_seq(weights_T * log_ratio_T + (1 - weights_T) * log_ratio_T.detach()),
+                    per_seq(torch.where(usable_T, weights_T, torch.zeros_like(weights_T)))]
+    stats_S = all_reduce_sum(torch.stack(columns, dim=1), cp_group)
+    log_ratio_sum_S, count_S, nonfinite_count_S = stats_S[:, :3].unbind(dim=1)
     count_S, nonfinite_S = count_S.detach(), nonfinite_count_S.detach() > 0
     valid_S = (count_S > 0) & ~nonfinite_S
     mask_T = usable_T & valid_S[seq_T]
+    weighted_S = weight_mean_S = None
+    if weights_T is not None:
+        weighted_S, weight_mean_S = stats_S[:, 3], stats_S[:, 4].detach() / count_S.clamp(min=1)
     return _Sequences(seq_T, mask_T, logprobs_T, log_ratio_T, log_ratio_sum_S, count_S, valid_S,
-                      nonfinite_S, owner=group_rank(cp_group) == 0, cp_group=cp_group)
+                      nonfinite_S, owner=group_rank(cp_group) == 0, cp_group=cp_group, weights_T=weights_T,
+                      weighted_log_ratio_sum_S=weighted_S, weight_mean_S=weight_mean_S)
 
 
-def _sequence_log_ratio(seqs: _Sequences, max_log_ratio: float) -> torch.Tensor:
-    """log s_i = mean per-token log-ratio (GSPO eq. 7 in log space), clamped so exp() stays finite."""
-    mean_S = seqs.log_ratio_sum_S / seqs.count_S.clamp(min=1)
+def _sequence_log_ratio(seqs: _Sequences, max_log_ratio: float, sum_S: torch.Tensor | None = None) -> torch.Tensor:
+    """log s_i = mean per-token log-ratio (GSPO eq. 7 in log space), clamped so exp() stays finite.
+    `sum_S`: another sum of the log-ratios to take the mean of (the correction's weighted-gradient one)."""
+    mean_S = (seqs.log_ratio_sum_S if sum_S is None else sum_S) / seqs.count_S.clamp(min=1)
     mean_S = torch.where(seqs.valid_S, mean_S, torch.zeros_like(mean_S))
     return mean_S.clamp(-max_log_ratio, max_log_ratio)
 
@@ -140,6 +152,13 @@ def gspo(seqs: _Sequences, advantages_S: torch.Tensor, eps_low: float, eps_high:
                          f"{tuple(advantages_S.shape)} (per-token advantages: use gspo_token)")
     ratio_S = torch.exp(_sequence_log_ratio(seqs, max_log_ratio))
     objective_S, clipped_S = _clipped_surrogate(ratio_S, advantages_S.float(), eps_low, eps_high)
+    if seqs.weights_T is not None:
+        # Correction weights enter through the GSPO-token form, (1/|y_i|) sum_t w_t min(s_it A_i, clip(s_it) A_i)
+        # (docs/gspo.md): value wbar_i * term_i, gradient that of the weighted log-ratio sum's s_i.
+        weighted_S = torch.exp(_sequence_log_ratio(seqs, max_log_ratio, seqs.weighted_log_ratio_sum_S))
+        surrogate_S, clipped_S = _clipped_surrogate(weighted_S, advantages_S.float(), eps_low, eps_high)
+        objective_S = (seqs.weight_mean_S * objective_S).detach() + surrogate_S - surrogate_S.detach()
+        ratio_S = ratio_S.detach()
     clipped_S &= seqs.valid_S
     # The sequence term lives on CP rank 0; other CP ranks add it with weight 0 so that they run the
     # all-reduce's backward too (it delivers dL/d(log-ratio sum) to every rank's tokens).
@@ -169,6 +188,8 @@ def grpo(seqs: _Sequences, advantages: torch.Tensor, eps_low: float, eps_high: f
 def _token_mean_loss(objective_T, clipped_T, ratio_S, seqs: _Sequences):
     """-(1/|y_i|) sum_t objective over each sequence's tokens; tokens local, |y_i| global (CP)."""
     scale_T = 1.0 / seqs.count_S.clamp(min=1)[seqs.seq_T]
+    if seqs.weights_T is not None:  # correction weights: each token's term times its w_t
+        objective_T = objective_T * seqs.weights_T
     loss_sum = -torch.where(seqs.mask_T, objective_T * scale_T, torch.zeros_like(objective_T)).sum()
     clipped_T = clipped_T & seqs.mask_T
     # A sequence counts as clipped when any of its tokens is; its tokens may sit on other CP ranks.
@@ -191,7 +212,8 @@ def clip_range(algorithm: Algorithm, eps_low: float | None = None, eps_high: flo
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 loss_mask: torch.Tensor, cu_seqlens, *, algorithm: Algorithm = "gspo",
                 eps_low: float | None = None, eps_high: float | None = None, cp_group=None,
-                max_log_ratio: float = 20.0, sequence_ids=None, num_sequences: int | None = None):
+                max_log_ratio: float = 20.0, sequence_ids=None, num_sequences: int | None = None,
+                weights: torch.Tensor | None = None):
     """(loss_sum, num_sequences, metrics) with loss_sum / N_global = -J of the chosen algorithm.
 
     logprobs: [T] current log-probs (grad flows); old_logprobs: [T] behaviour policy's; loss_mask: [T]
@@ -202,13 +224,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     rank holds two separate chunks of each row); num_sequences must then be the same on every CP rank.
     Sequences that are empty or hold a non-finite response log-prob contribute 0 and no gradient,
     are still counted in num_sequences, and are reported in the metrics.
+    `weights`: [T] stop-gradient train-inference correction weights (loss/correction.py), each multiplying its
+    token's term (GSPO: in its GSPO-token form, docs/gspo.md); None: no correction.
     """
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(_ALGORITHMS)}, got {algorithm!r}")
     eps_low, eps_high = clip_range(algorithm, eps_low, eps_high)
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    seqs = _sequences(logprobs, old_logprobs, loss_mask, cu_seqlens, cp_group, sequence_ids, num_sequences)
+    seqs = _sequences(logprobs, old_logprobs, loss_mask, cu_seqlens, cp_group, sequence_ids, num_sequences,
+                      None if weights is None else weights.to(logprobs.device))
     loss_sum, ratio_S, clipped_S, clipped_T = _ALGORITHMS[algorithm](
         seqs, advantages.to(logprobs.device), eps_low, eps_high, max_log_ratio)
     num_sequences = seqs.count_S.shape[0] if seqs.owner else 0

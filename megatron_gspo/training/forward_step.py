@@ -128,7 +128,7 @@ def policy_forward_step(settings: LossSettings, *, pgs: ProcessGroupCollection, 
             logprobs_BS.flatten(), old_logprobs_BS.flatten(), advantages,
             batch.loss_mask_BS.flatten(), ids.pop("cu_seqlens"), **ids,
             algorithm=settings.algorithm, eps_low=settings.eps_low, eps_high=settings.eps_high,
-            cp_group=pgs.cp)
+            cp_group=pgs.cp, weights=None if batch.correction_BS is None else batch.correction_BS.flatten())
         if with_entropy:
             metrics["entropy_token_sum"] = _entropy_sum(entropy_BS, batch)
         logs = {"loss_sum": loss_sum.detach(), "num_sequences": num_sequences, "metrics": metrics}

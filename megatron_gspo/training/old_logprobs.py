@@ -37,7 +37,8 @@ from megatron.core.pipeline_parallel.utils import get_pp_last_rank, is_pp_last_s
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo import profiling
-from megatron_gspo.config import GSPOConfig
+from megatron_gspo.config import CorrectionConfig, GSPOConfig
+from megatron_gspo.loss.correction import MISMATCH_SUMS, apply_correction, mismatch_metrics, mismatch_sums
 from megatron_gspo.microbatch import sequence_sums
 from megatron_gspo.model.routing import MoERouting, RoutingPass
 from megatron_gspo.model.schedule import run_schedule
@@ -60,6 +61,8 @@ class StepSettings:
     """Micro-batch token budget, rows x padded length (parallel.max_tokens_per_microbatch)."""
     pack_sequences: bool
     """Several responses per row, each attending only to itself (parallel.pack_sequences)."""
+    correction: CorrectionConfig
+    """Train-inference mismatch correction and its metrics (section `correction`)."""
 
 
 @dataclass
@@ -79,6 +82,8 @@ class OldPolicy:
     training forward is the train-vs-rollout gap."""
     routing: RoutingPass | None = None
     """MoE: the routing pass of the training forward (what it replays, what it is compared with)."""
+    correction: CorrectionConfig | None = None
+    """on_policy: the settings of the mismatch metrics the training step measures with the gap."""
 
 
 class OldLogprobs(Protocol):
@@ -127,11 +132,19 @@ class FusedRecompute:
 
     def prepare(self, model, packed, minis, settings, pgs) -> list[OldPolicy]:
         start = time.perf_counter()
+        # With the correction on, mini-batch 1's weights are needed before its forward: it gets its own
+        # recompute pass, on the micro-batches it trains on (its s_i stay exactly 1).
+        on_policy = not settings.correction.active
         with profiling.span("train/recompute"):
-            metrics = _recompute_fused(model, packed[1:], minis[1:], settings, pgs)
+            first = [] if on_policy else [recompute_old_logprobs(model, packed[0], settings.loss, pgs,
+                                                                 correction=settings.correction)]
+            metrics = first + _recompute_fused(model, packed[1:], minis[1:], settings, pgs)
         seconds = (time.perf_counter() - start) / len(packed)
-        return [OldPolicy({"time/minibatch_recompute_s": seconds}, on_policy=True, entropy_in_training=True),
-                *(OldPolicy({**m, "time/minibatch_recompute_s": seconds}) for m in metrics)]
+        olds = [OldPolicy({**m, "time/minibatch_recompute_s": seconds}) for m in metrics]
+        if on_policy:
+            olds.insert(0, OldPolicy({"time/minibatch_recompute_s": seconds}, on_policy=True, entropy_in_training=True,
+                                     correction=settings.correction))
+        return olds
 
 
 class PerMinibatchRecompute:
@@ -147,7 +160,8 @@ class PerMinibatchRecompute:
             for mini in packed:
                 sampler = rollout_targets(mini, self.routing, pgs) if self.replay == "rollout" else None
                 recording = None if self.routing is None else self.routing.pass_(replay=sampler, compare=sampler)
-                metrics.append(recompute_old_logprobs(model, mini, settings.loss, pgs, routing=recording))
+                metrics.append(recompute_old_logprobs(model, mini, settings.loss, pgs, routing=recording,
+                                                      correction=settings.correction))
                 if sampler is not None:
                     metrics[-1].update(routing_metrics(recording, pgs, "moe/routing_rollout_changed_fraction",
                                                        per_layer=False))
@@ -208,50 +222,85 @@ def from_last_stage(values: dict, pgs: ProcessGroupCollection) -> dict:
 
 @torch.no_grad()
 def recompute_old_logprobs(model, mini: PackedMiniBatch, loss: LossSettings, pgs: ProcessGroupCollection, *,
-                           routing: RoutingPass | None = None) -> dict:
-    """Fill every micro-batch's old_logprobs_BS with the current policy's; return the rollout gap."""
+                           routing: RoutingPass | None = None, correction: CorrectionConfig | None = None) -> dict:
+    """Fill every micro-batch's old_logprobs_BS with the current policy's (and the correction, when given
+    and on); return the rollout gap and the mismatch metrics (set_old_logprobs)."""
     # Same modules, same mode, same micro-batches as the training forward: bitwise the same log-probs.
     with profiling.span("train/recompute/forward"):
         outputs = run_schedule(model, mini, logprobs_forward_step(loss, pgs=pgs, routing=routing), pgs=pgs,
                                forward_only=True)
     with profiling.span("train/recompute/metrics"):
         if not is_pp_last_stage(pgs.pp):
-            return set_old_logprobs([mini], [[]], [None], pgs)[0]
+            return set_old_logprobs([mini], [[]], [None], pgs, correction)[0]
         logprobs = [gather_from_cp(out["logprobs"], pgs.cp) for out in outputs]
         entropy = torch.stack([sum(out["entropy_token_sum"] for out in outputs),
                                sum(out["response_tokens"] for out in outputs)])
-        return set_old_logprobs([mini], [logprobs], [entropy], pgs)[0]
+        return set_old_logprobs([mini], [logprobs], [entropy], pgs, correction)[0]
 
 
 def set_old_logprobs(minis: Sequence[PackedMiniBatch], logprobs: Sequence[list], entropy: Sequence,
-                     pgs: ProcessGroupCollection) -> list[dict]:
+                     pgs: ProcessGroupCollection, correction: CorrectionConfig | None) -> list[dict]:
     """Set each mini-batch's old_logprobs_BS from pi_old's log-probs (per micro-batch, [B, S], whole rows:
     gathered over CP) and return its metrics: the train-vs-rollout gap and, where `entropy` gives its
-    (entropy sum, tokens) over this rank's response tokens, the entropy. One all-reduce for all of them;
-    the values reach every pipeline stage (only the last one has log-probs: the others pass [])."""
+    (entropy sum, tokens) over this rank's response tokens, the entropy. Where the sampler's log-probs mu are
+    known and `correction` is given: the mismatch metrics (correction/*, loss/correction.py), and with the
+    correction on, its weights (correction_BS) and rejection (loss_mask_BS) for the training forwards. One
+    sum all-reduce for all of them (and a max one for correction/weight_max); the values reach every pipeline
+    stage (only the last one has log-probs: the others pass [] and keep their loss masks: there they only
+    count the tokens of the routing metrics)."""
     if not is_pp_last_stage(pgs.pp):
         return from_last_stage([{} for _ in minis], pgs)
-    # per mini-batch: |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens
-    sums = torch.zeros(len(minis), 7, dtype=torch.float64)
+    # per mini-batch: |delta| token sum, tokens, |seq delta| sum, seqs, non-finite; entropy sum, its tokens;
+    # then the mismatch sums (MISMATCH_SUMS; its weight_max travels in `maxes`)
+    sums = torch.zeros(len(minis), 7 + len(MISMATCH_SUMS), dtype=torch.float64)
+    maxes = torch.zeros(len(minis), dtype=torch.float64)
+    at_max = 7 + MISMATCH_SUMS.index("weight_max")
     for k, (mini, mini_logprobs) in enumerate(zip(minis, logprobs)):
         for i, (mb, logprobs_BS) in enumerate(zip(mini.micro_batches, mini_logprobs)):
             mb.old_logprobs_BS = torch.where(mb.loss_mask_BS.bool(), logprobs_BS.float(), 0.0)
-            if mini.rollout_logprobs and group_rank(pgs.cp) == 0:
+            if not mini.rollout_logprobs:
+                continue
+            if group_rank(pgs.cp) == 0:  # whole rows on every CP rank: counted once
                 sums[k, :5] += _gap_sums(mb.old_logprobs_BS, mini.rollout_logprobs[i], mb.loss_mask_BS,
                                          mb.segments_BS, mb.num_sequences)
+            if correction is not None:
+                _correct(mb, mini.rollout_logprobs[i], correction, sums[k, 7:] if group_rank(pgs.cp) == 0 else None)
+                maxes[k] = max(maxes[k], sums[k, at_max])
+                sums[k, at_max] = 0.0
         if entropy[k] is not None:
-            sums[k, 5:] += entropy[k]
+            sums[k, 5:7] += entropy[k]
     dist.all_reduce(sums, group=pgs.dp_cp)
+    if correction is not None:
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=pgs.dp_cp)
     values = []
-    for mini, e, row in zip(minis, entropy, sums.tolist()):
-        abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = row
+    for mini, e, row, most in zip(minis, entropy, sums, maxes.tolist()):
+        abs_token, tokens, abs_seq, seqs, nonfinite, entropy_sum, entropy_tokens = row[:7].tolist()
         v = {} if e is None else {"train/entropy": entropy_sum / max(entropy_tokens, 1.0)}
         if mini.rollout_logprobs:
             v.update({"train/rollout_abs_delta_token": abs_token / max(tokens, 1.0),
                       "train/rollout_abs_delta_seq": abs_seq / max(seqs, 1.0),
                       "train/rollout_nonfinite_tokens": nonfinite})
+            if correction is not None:
+                mismatch = row[7:].clone()
+                mismatch[at_max - 7] = most
+                v.update(mismatch_metrics(mismatch))
         values.append(v)
     return from_last_stage(values, pgs)
+
+
+def _correct(mb, mu_BS: torch.Tensor, correction: CorrectionConfig, sums: torch.Tensor | None) -> None:
+    """One micro-batch (whole rows): add its mismatch sums to `sums` (None: another CP rank counts them) and,
+    with the correction on, set its weights and rejected tokens."""
+    seq_T, num_seqs = mb.sequence_index()
+    old_T, mu_T, mask_T = mb.old_logprobs_BS.flatten(), mu_BS.flatten(), mb.loss_mask_BS.flatten().bool()
+    if sums is not None:
+        sums += mismatch_sums(old_T, mu_T, mask_T, seq_T, num_seqs, correction)
+    if correction.active:
+        weights_T, kept_T = apply_correction(old_T, mu_T, mask_T, seq_T, num_seqs, correction)
+        if correction.weight != "off":
+            mb.correction_BS = weights_T.view_as(mb.loss_mask_BS)
+        if correction.reject != "off":
+            mb.loss_mask_BS = kept_T.to(mb.loss_mask_BS.dtype).view_as(mb.loss_mask_BS)
 
 
 @torch.no_grad()
@@ -286,7 +335,7 @@ def _recompute_fused(model, packed: Sequence[PackedMiniBatch], minis: Sequence[S
                                forward_only=True)
     with profiling.span("train/recompute/metrics"):
         if not is_pp_last_stage(pgs.pp):
-            return set_old_logprobs(packed, [[] for _ in packed], [None] * len(packed), pgs)
+            return set_old_logprobs(packed, [[] for _ in packed], [None] * len(packed), pgs, settings.correction)
         # Scatter each response's positions back, gathered over CP (a row's CP split depends on its length).
         logprobs = [[torch.zeros(mb.tokens_BS.shape) for mb in mini.micro_batches] for mini in packed]
         entropy = torch.zeros(len(packed), 2, dtype=torch.float64)
@@ -297,7 +346,7 @@ def _recompute_fused(model, packed: Sequence[PackedMiniBatch], minis: Sequence[S
                 n = len(rows[l].prompt_ids) + len(rows[l].response_ids)
                 logprobs[k][j][home_row, home_start:home_start + n] = full_BS[row, start:start + n]
                 entropy[k] += torch.stack([out["entropy_seq_sum"][q], out["response_tokens_seq"][q]])
-        return set_old_logprobs(packed, logprobs, list(entropy), pgs)
+        return set_old_logprobs(packed, logprobs, list(entropy), pgs, settings.correction)
 
 
 def _gap_sums(train_BS, rollout_BS, mask_BS, segments_BS=None, num_sequences: int | None = None) -> torch.Tensor:

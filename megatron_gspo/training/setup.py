@@ -60,7 +60,7 @@ def step_settings(config: TrainConfig, shape: Qwen3Shape) -> StepSettings:
         loss=LossSettings(algorithm=gspo.algorithm, eps_low=eps_low, eps_high=eps_high,
                           temperature=config.sampling.temperature, vocab_size=shape.vocab_size),
         num_minibatches=gspo.num_minibatches, max_tokens_per_microbatch=config.parallel.max_tokens_per_microbatch,
-        pack_sequences=config.parallel.pack_sequences)
+        pack_sequences=config.parallel.pack_sequences, correction=config.correction)
 
 
 def old_logprobs(config: TrainConfig, policy: Policy) -> OldLogprobs:

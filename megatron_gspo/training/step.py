@@ -97,7 +97,7 @@ def _optimizer_step(model, optimizer, mini: PackedMiniBatch, loss: LossSettings,
         record = {**old.metrics, **_step_metrics(optimizer, mini, outputs, pgs, update_successful, grad_norm)}
         if old.on_policy:  # pi_old was this forward's: it gives the train-vs-rollout gap, as a recompute would
             logprobs = [gather_from_cp(o["logprobs"], pgs.cp) for o in outputs] if is_pp_last_stage(pgs.pp) else []
-            record.update(set_old_logprobs([mini], [logprobs], [None], pgs)[0])
+            record.update(set_old_logprobs([mini], [logprobs], [None], pgs, old.correction)[0])
         if old.ratio_is_gap:  # weights still those that sampled: the policy ratio is the train/rollout gap
             record["train/rollout_abs_delta_token"] = record["loss/abs_log_ratio_per_token"]
             record["train/rollout_abs_delta_seq"] = record["loss/abs_log_ratio_per_seq"]

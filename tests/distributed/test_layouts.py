@@ -40,3 +40,19 @@ def reference(tmp_path_factory):
 def test_layout_matches_tp1_reference(reference, name):
     nproc, args = LAYOUTS[name]
     run_checks(WORKER, nproc, reference, name, *args.split(), checks=5, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def corrected_reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("layouts_correction")
+    run_checks(WORKER, 1, workdir, "reference", "correction=1", checks=1, timeout=300)
+    return workdir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["dp2", "tp2", "cp2", "pp2", "ep2"])
+def test_layout_with_correction_matches_tp1_reference(corrected_reference, name):
+    """The same with train-inference correction on (loss/correction.py: capped geometric weights, a token
+    rejection): loss, grad norm and update of every layout equal TP1's."""
+    nproc, args = LAYOUTS[name]
+    run_checks(WORKER, nproc, corrected_reference, name, *args.split(), "correction=1", checks=5, timeout=300)

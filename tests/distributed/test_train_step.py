@@ -25,5 +25,5 @@ LAYOUTS = {
     "dp2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("tp2", "pp2", "cp2", "ep2_moe"))])
 def test_train_on_batch(name):
     # microbatch invariance, on-policy first mini-batch, train-rollout gap, loss decreases, entropy,
-    # fused recompute = per-mini-batch recompute, packed rows = one response per row
-    run_checks(WORKER, 2, *LAYOUTS[name].split(), checks=7, timeout=240)
+    # fused recompute = per-mini-batch recompute, packed rows = one response per row, correction
+    run_checks(WORKER, 2, *LAYOUTS[name].split(), checks=8, timeout=240)

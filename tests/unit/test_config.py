@@ -184,6 +184,23 @@ def test_final_export_needs_a_checkpoint_and_hf_files(tmp_path):
     assert config.checkpoint.export_hf == str(tmp_path / "out")
 
 
+def test_correction_rules():
+    assert not load_config(TINY).correction.active                     # off by default
+    config = load_config(TINY, ["correction.weight=geometric", "correction.reject_band=[0.8, 1.25]"])
+    assert config.correction.weight == "geometric" and config.correction.reject_band == (0.8, 1.25)
+    for bad, message in [("correction.reject_band=[2, 0.5]", "correction.reject_band must be \\[low, high\\] with 0 < low < high"),
+                         ("correction.reject_band=[0, 2]", "0 < low < high"),
+                         ("correction.weight_cap=0", "correction.weight_cap must be > 0")]:
+        with pytest.raises(ValueError, match=message):
+            load_config(TINY, [bad])
+    with pytest.raises(ValueError, match="correction.weight and correction.reject need gspo.old_logprobs=recompute"):
+        load_config(TINY, ["gspo.old_logprobs=rollout", "correction.reject=token"])
+    overlap = ["rollout.max_staleness=1"]
+    with pytest.raises(ValueError, match="rollout.max_staleness > 0 needs gspo.old_logprobs=rollout"):
+        load_config(TINY, overlap)                                      # recompute without a correction
+    assert load_config(TINY, [*overlap, "correction.weight=token"]).rollout.max_staleness == 1
+
+
 def test_recompute_mode_only_with_recompute():
     assert load_config(TINY, ["gspo.old_logprobs=rollout"]).gspo.recompute == "auto"
     with pytest.raises(ValueError, match="gspo.recompute applies to gspo.old_logprobs=recompute only"):

@@ -1,8 +1,11 @@
 """One launch per parallel layout: per-token log-probs and one full GSPO step, compared with TP1.
 
 usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [microbatches=N]
-                                                            [algorithm=gspo|gspo_token|grpo]
-(1, 1 micro-batch per DP rank and gspo where absent; dp takes the other ranks: trainer_common.worker_args)
+                                                            [algorithm=gspo|gspo_token|grpo] [correction=0|1]
+(1, 1 micro-batch per DP rank, gspo and no correction where absent; dp takes the other ranks:
+trainer_common.worker_args). correction=1: the step also carries train-inference correction weights
+(geometric TIS, capped) and a token rejection, computed from sampler log-probs that differ from pi_old's by a
+fixed per-token noise (the same on every layout), as training/old_logprobs.py computes them on whole rows.
 
 NAME "reference" (one process, TP1): builds the tiny Qwen3-MoE from a seed, saves WORKDIR/init,
 recomputes old log-probs (forward only), runs one GSPO step (loss, backward, SGD step) and saves
@@ -24,7 +27,8 @@ from megatron.core import dist_checkpointing, parallel_state as ps
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_gspo.config import ParallelConfig
+from megatron_gspo.config import CorrectionConfig, ParallelConfig
+from megatron_gspo.loss.correction import apply_correction
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE, build_model, model_process_groups, transformer_config
 from megatron_gspo.parallel.context_parallel import gather_from_cp
@@ -60,12 +64,12 @@ def global_batch(vocab: int):
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo")
+    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo", correction=False)
     pgs = init_megatron(layout, seed=1234)
     model, module, init_params = load_model(workdir, name, layout, pgs)
-    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm)
+    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm, options.correction)
     if name == "reference":
-        save_reference(workdir, module, step)
+        save_reference(workdir, module, step, options.correction)
     else:
         compare_with_reference(workdir, name, layout, module, init_params, step)
     done()
@@ -92,9 +96,16 @@ class StepResult:
     grad_norm: float
     mine: slice             # this DP rank's rows of the global batch
     last_stage: bool
+    corrected: tuple[int, int] = (0, 0)  # with correction: (sequences whose weight is capped, tokens rejected)
 
 
-def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
+CORRECTION = CorrectionConfig(weight="geometric", weight_cap=1.001, reject="token", reject_band=(0.99, 1.01))
+"""With SAMPLER_NOISE: some sequences' weights capped, some tokens rejected, most kept."""
+SAMPLER_NOISE = 0.006
+"""Scale of the sampler's per-token log-prob error (mu = pi_old + noise)."""
+
+
+def gspo_step(model, cp: int, num_mb: int, algorithm: str, correction: bool = False) -> StepResult:
     """Recompute old log-probs (forward only), then one GSPO step with SGD (lr 1, no momentum)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
@@ -107,8 +118,9 @@ def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
     settings = LossSettings(algorithm=algorithm, temperature=1.0, vocab_size=TINY_MOE.vocab_size)
     last_stage = ps.is_pipeline_last_stage()
 
-    def micro_batches(old_logprobs):
-        batch = MicroBatch(tokens[mine], labels[mine], loss_mask[mine], old_logprobs, advantages[mine])
+    def micro_batches(old_logprobs, mask=loss_mask, weights=None):
+        batch = MicroBatch(tokens[mine], labels[mine], mask[mine], old_logprobs, advantages[mine],
+                           correction_BS=None if weights is None else weights[mine])
         return [batch.rows(i * mb_rows, (i + 1) * mb_rows) for i in range(num_mb)]
 
     schedule = get_forward_backward_func()
@@ -122,12 +134,23 @@ def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
 
     # 2. One GSPO step on old log-probs shifted per sequence (some sequences inside the band, some clipped).
     old_logprobs = logprobs + OLD_SHIFT[mine, None]
+    mask, weights = loss_mask, None
+    if correction:  # whole rows of pi_old on every rank of the last stage (the loss lives there)
+        full = torch.zeros(B, S)
+        full[mine] = old_logprobs
+        if dp > 1:
+            dist.all_reduce(full, group=ps.get_data_parallel_group())
+        noise = SAMPLER_NOISE * torch.randn(B, S, generator=torch.Generator().manual_seed(11))
+        seq_T = torch.arange(B).repeat_interleave(S)
+        weights_T, kept_T = apply_correction(full.flatten(), (full + noise).flatten(), loss_mask.bool().flatten(),
+                                             seq_T, B, CORRECTION)
+        weights, mask = weights_T.view(B, S), kept_T.float().view(B, S)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = schedule(forward_step_func=policy_forward_step(settings, pgs=pgs,
                                                              num_global_sequences=B, num_microbatches=num_mb),
-                       data_iterator=iter(micro_batches(old_logprobs)), forward_only=False, **run)
+                       data_iterator=iter(micro_batches(old_logprobs, mask, weights)), forward_only=False, **run)
     _, grad_norm, _ = optimizer.step()
     loss = torch.zeros((), dtype=torch.float64)
     clipped = torch.zeros((), dtype=torch.float64)
@@ -138,12 +161,19 @@ def gspo_step(model, cp: int, num_mb: int, algorithm: str) -> StepResult:
         dist.all_reduce(loss, group=dp_cp)
         dist.all_reduce(clipped, group=dp_cp)
     loss /= B
-    return StepResult(logprobs, loss, clipped, grad_norm, mine, last_stage)
+    corrected = (0, 0)
+    if weights is not None:
+        capped = int(((weights == torch.tensor(CORRECTION.weight_cap)) & mask.bool()).any(1).sum())
+        corrected = (capped, int((loss_mask.bool() & ~mask.bool()).sum()))
+    return StepResult(logprobs, loss, clipped, grad_norm, mine, last_stage, corrected)
 
 
-def save_reference(workdir: Path, module, step: StepResult) -> None:
+def save_reference(workdir: Path, module, step: StepResult, correction: bool) -> None:
     with check("the reference batch clips some sequences"):
         assert 0 < step.clipped < B, f"the reference batch must clip some sequences, clipped {step.clipped}"
+        if correction:  # and the correction caps some, not all, sequences' weights and rejects some tokens
+            capped, rejected = step.corrected
+            assert 0 < capped < B and rejected > 0, step.corrected
     torch.save({"logprobs": step.logprobs, "loss": step.loss, "grad_norm": step.grad_norm, "clipped": step.clipped},
                workdir / "reference.pt")
     (workdir / "after").mkdir()

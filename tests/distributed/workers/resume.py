@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.convert.load import load_weights
-from megatron_gspo.config import GSPOConfig, ParallelConfig
+from megatron_gspo.config import CorrectionConfig, GSPOConfig, ParallelConfig
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.model.routing import MoERouting
 from megatron_gspo.parallel.groups import init_megatron
@@ -82,7 +82,8 @@ def main():
     pgs = init_megatron(layout, seed=1)
     settings = StepSettings(LossSettings(algorithm="grpo" if options.model == "moe" else "gspo", eps_low=0.05,
                                          eps_high=0.05, temperature=1.0, vocab_size=SHAPE.vocab_size),
-                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=False)
+                            num_minibatches=K, max_tokens_per_microbatch=64,
+                            pack_sequences=False, correction=CorrectionConfig())
     if phase == "run":
         run_and_crash(workdir, layout, pgs, settings, options)  # reports its checks and ends the process (os._exit)
     else:

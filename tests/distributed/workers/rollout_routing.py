@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megatron_gspo.config import GSPOConfig, SamplingConfig
+from megatron_gspo.config import CorrectionConfig, GSPOConfig, SamplingConfig
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE
 from megatron_gspo.model.routing import MoERouting
@@ -85,7 +85,8 @@ def main() -> None:
     responses = responses_from_samples(samples, group_advantages(rewards, G).advantages_R)
     log = RouterLog(routing)
     settings = StepSettings(loss=LossSettings(algorithm="grpo", temperature=1.0, vocab_size=TINY_MOE.vocab_size),
-                            num_minibatches=K, max_tokens_per_microbatch=64, pack_sequences=options.packed)
+                            num_minibatches=K, max_tokens_per_microbatch=64,
+                            pack_sequences=options.packed, correction=CorrectionConfig())
     if options.packed:
         with check("responses are packed several to a row"):
             plans = [pack(mini, pgs, 64, True) for mini in split_minibatches(responses, K)]

@@ -28,7 +28,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megatron_gspo.config import GSPOConfig
+from megatron_gspo.config import CorrectionConfig, GSPOConfig
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.gpt import TINY_MOE, build_model, transformer_config
 from megatron_gspo.model.routing import MoERouting
@@ -119,7 +119,7 @@ def main() -> None:
             reference_weights(module, workdir)
         log.clear()
         settings = StepSettings(loss=loss, num_minibatches=K, max_tokens_per_microbatch=options.max_tokens,
-                                pack_sequences=options.packed)
+                                pack_sequences=options.packed, correction=CorrectionConfig())
         records = train_on_batch(model, optimizer, batch, settings, old_logprobs_source(GSPOConfig(routing_replay=mode), routing),
                                  pgs=pgs)
         check_router_log(log, mode, int(sum(r["train/microbatches"] for r in records)), int(records[0]["train/microbatches"]))

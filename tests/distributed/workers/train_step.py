@@ -15,14 +15,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.config import GSPOConfig
+from megatron_gspo.config import CorrectionConfig, GSPOConfig
+from megatron_gspo.loss.correction import mismatch_metrics, mismatch_sums
 from megatron_gspo.model.gpt import model_process_groups
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.training.forward_step import LossSettings
 from megatron_gspo.parallel.groups import sequence_pad_multiple
 from megatron_gspo.training.old_logprobs import old_logprobs_source
 from megatron_gspo.training.packing import Response, pack_minibatch
-from megatron_gspo.training.step import compute_logprobs, train_on_batch
+from megatron_gspo.training.step import compute_logprobs, split_minibatches, train_on_batch
 
 from megatron_gspo.model.presets import PRESETS
 
@@ -52,6 +53,7 @@ def main():
     entropy(model, optimizer, loss, fixed, wide, shape, layout)
     fused_recompute(layout, pgs, preset, loss, responses)
     packed_rows(layout, pgs, preset, loss, responses)
+    correction(layout, pgs, preset, loss, responses)
     done()
 
 
@@ -226,6 +228,56 @@ def packed_rows(layout, pgs, preset, loss, responses):
         f"{unpacked:.3f} -> {packed:.3f}, micro-batches {sum(r['train/microbatches'] for r in runs[False]):.0f} -> "
         f"{sum(r['train/microbatches'] for r in runs[True]):.0f}")
 
+
+
+@check("correction")
+def correction(layout, pgs, preset, loss, responses):
+    """Train-inference correction (correction.weight=token, reject=geometric) through the trainer's step.
+    mu == pi_old exactly (the sampler's log-probs are the recompute's own, same micro-batches): every weight 1,
+    nothing rejected, kl_k3 0, and the step bitwise the uncorrected one (records and weights). Then mu != pi_old:
+    each mini-batch's correction/* metrics equal those of its whole batch computed on every rank (exact over
+    the layout's data/context/pipeline ranks)."""
+    config = CorrectionConfig(weight="token", weight_cap=1.01, reject="geometric", reject_band=(0.997, 1.003))
+    source = old_logprobs_source(GSPOConfig(recompute="per_minibatch"), routing=None)
+    model, _, _ = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+    minis = split_minibatches(responses, 2)
+    pi_old = [lp for mini in minis for lp in compute_logprobs(model, mini, loss, pgs=pgs, max_tokens_per_microbatch=64)]
+    exact = [dataclasses.replace(r, rollout_logprobs=lp) for r, lp in zip(responses, pi_old)]
+    runs, weights = {}, {}
+    for on in (False, True):
+        model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+        settings = steps(loss, 2, 64, correction=config if on else CorrectionConfig())
+        runs[on] = train_on_batch(model, optimizer, exact, settings, source, pgs=pgs, scheduler=scheduler)
+        weights[on] = [p.detach().clone() for chunk in model for p in chunk.parameters()]
+    for a, b in zip(runs[False], runs[True]):
+        assert b["correction/kl_k3"] == 0 and b["correction/rejected_fraction"] == 0, b
+        assert b["correction/weight_mean"] == b["correction/weight_max"] == 1.0, b
+        for key in a:
+            assert key.startswith("time/") or key.endswith("_per_s") or a[key] == b[key], (key, a[key], b[key])
+    assert all(torch.equal(x, y) for x, y in zip(weights[False], weights[True])), "the weights differ"
+
+    g = torch.Generator().manual_seed(17)
+    noisy = [dataclasses.replace(r, rollout_logprobs=(torch.tensor(lp, dtype=torch.float64)
+                                                      + 0.01 * torch.randn(len(lp), generator=g, dtype=torch.float64)).tolist())
+             for r, lp in zip(responses, pi_old)]
+    model, optimizer, scheduler = tiny_model(layout, pgs=pgs, seed=5, preset=preset)
+    records = train_on_batch(model, optimizer, noisy, steps(loss, 2, 64, correction=config), source, pgs=pgs,
+                             scheduler=scheduler)
+    start = 0
+    for record, mini in zip(records, split_minibatches(noisy, 2)):
+        lengths = [len(r.response_ids) for r in mini]
+        old = torch.tensor([x for lp in pi_old[start:start + len(mini)] for x in lp], dtype=torch.float64)
+        start += len(mini)
+        # as packing holds them: float32
+        mu = torch.tensor([lp for r in mini for lp in r.rollout_logprobs], dtype=torch.float32).double()
+        seq_T = torch.repeat_interleave(torch.arange(len(mini)), torch.tensor(lengths))
+        want = mismatch_metrics(mismatch_sums(old, mu, torch.ones(len(old), dtype=torch.bool), seq_T, len(mini), config))
+        for key, value in want.items():
+            assert math.isclose(record[key], value, rel_tol=1e-6, abs_tol=1e-9), (key, record[key], value)
+        assert 0 < record["correction/rejected_fraction"] < 1 and record["correction/truncated_fraction"] > 0, \
+            {k: v for k, v in record.items() if k.startswith("correction/")}
+    say(f"correction: bitwise with mu == pi_old; with mu = pi_old + noise, kl_k3 {records[0]['correction/kl_k3']:.2e}, "
+        f"rejected {records[0]['correction/rejected_fraction']:.2f}, truncated {records[0]['correction/truncated_fraction']:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_gspo.config import (GSPOConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig,
+from megatron_gspo.config import (CorrectionConfig, GSPOConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig,
                                   TrainConfig)
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.model.presets import TINY_DENSE
@@ -26,10 +26,10 @@ FROM_ROLLOUT = old_logprobs_source(GSPOConfig(old_logprobs="rollout"), routing=N
 
 
 def steps(loss, num_minibatches: int = 1, max_tokens_per_microbatch: int = 8192,
-          pack_sequences: bool = False) -> StepSettings:
+          pack_sequences: bool = False, correction: CorrectionConfig = CorrectionConfig()) -> StepSettings:
     """StepSettings with the sizes these tests use unless they say otherwise."""
     return StepSettings(loss, num_minibatches=num_minibatches, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                        pack_sequences=pack_sequences)
+                        pack_sequences=pack_sequences, correction=correction)
 
 
 def parallel_layout(**sizes: int) -> ParallelConfig:
