@@ -18,6 +18,12 @@ continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoi
 """
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # A rank: first of all, end with torchrun's agent however it ends (before the imports below, which take
+    # seconds; launch.py imports nothing heavy).
+    from megatron_gspo.training.launch import end_with_launcher
+    end_with_launcher()
+
 import contextlib
 import functools
 import os
