@@ -35,18 +35,18 @@ LAUNCHER_PID_ENV = "MEGATRON_GSPO_LAUNCHER_PID"
 """Set by `run_torchrun` for the ranks: the pid of torchrun's agent, their parent (this process)."""
 
 
-def run_torchrun(torchrun_args: list[str], *, prog: str = "megatron-gspo train") -> int:
+def run_torchrun(torchrun_args: list[str], *, prog: str = "megatron-gspo train", env: dict[str, str] | None = None) -> int:
     """torchrun with `torchrun_args` (e.g. ["--nproc-per-node", "2", "-m", "megatron_gspo.training.loop", ...])
     in this process: 0 when every rank succeeded; else 1, torchrun's code, after one line saying why (the first
-    failure, or the signal that stopped the run)."""
+    failure, or the signal that stopped the run). `env`: more environment variables for the ranks."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     log_dir = tempfile.mkdtemp(prefix="megatron-gspo-torchrun-")
     # The ranks' environment is this process's (torchrun copies it when it starts them).
-    saved = {k: os.environ.get(k) for k in [LAUNCHER_PID_ENV]}
-    os.environ.update({LAUNCHER_PID_ENV: str(os.getpid())})
+    saved = {k: os.environ.get(k) for k in [LAUNCHER_PID_ENV, *(env or {})]}
+    os.environ.update({LAUNCHER_PID_ENV: str(os.getpid()), **(env or {})})
     try:
         run(parse_args(["--log-dir", log_dir, *torchrun_args]))
     except ChildFailedError as e:
