@@ -132,9 +132,7 @@ def _train_parser(sub) -> None:
 
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
-    from megatron_gspo.net import free_port
-    from megatron_gspo.training.launch import run_torchrun
-    from megatron_gspo.training.preflight import nothing_to_do, preflight
+    from megatron_gspo.training.run_lock import HELD_BY_LAUNCHER_ENV, lock_run
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
     world = config.parallel.world_size
@@ -151,6 +149,21 @@ def run_train(args) -> int:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
     if args.nnodes > 1 and args.master_port is None:
         raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
+    # One run per run directory: node rank 0 holds the lock until it exits (the other nodes share its file system),
+    # and a second trainer is refused here at once, before the slow imports and preflight of _launch.
+    if args.node_rank != 0:
+        return _launch(config, args, ranks_env={})
+    with lock_run(config):
+        return _launch(config, args, ranks_env={HELD_BY_LAUNCHER_ENV: str(os.getpid())})
+
+
+def _launch(config, args, ranks_env: dict[str, str]) -> int:
+    """`train` after the checks: nothing to do, or preflight, then torchrun with `ranks_env` in its ranks."""
+    from megatron_gspo.net import free_port
+    from megatron_gspo.training.launch import run_torchrun
+    from megatron_gspo.training.preflight import nothing_to_do, preflight
+
+    world = config.parallel.world_size
     done = nothing_to_do(config)
     if done:
         print(f"megatron-gspo train: {done}")
@@ -163,7 +176,7 @@ def run_train(args) -> int:
     return run_torchrun(["--nproc-per-node", str(world // args.nnodes), "--nnodes", str(args.nnodes),
                          "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
                          "--master-port", str(args.master_port or free_port()),
-                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides])
+                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides], env=ranks_env)
 
 
 def _serve_parser(sub) -> None:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from megatron_gspo.platform.lifetime import parent_death_preexec
 from megatron_gspo.rewards.worker import _LENGTH, score_one, write_message
 from megatron_gspo.samples import Sample
 
@@ -77,8 +78,10 @@ class _Worker:
         # path the parent added to sys.path, e.g. a test directory).
         paths = [p or os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # SIGKILLed by the kernel when the thread that starts it ends (the trainer killed: platform/lifetime.py)
         self.proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.rewards.worker", fn_spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+                                     preexec_fn=parent_death_preexec())
         self._fd = self.proc.stdout.fileno()
 
     def handshake(self) -> None:

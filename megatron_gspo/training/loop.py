@@ -18,6 +18,12 @@ continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoi
 """
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # A rank: first of all, end with torchrun's agent however it ends (before the imports below, which take
+    # seconds; launch.py imports nothing heavy).
+    from megatron_gspo.training.launch import end_with_launcher
+    end_with_launcher()
+
 import contextlib
 import functools
 import os
@@ -49,6 +55,7 @@ from megatron_gspo.training.metrics import MetricsLogger, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
 from megatron_gspo.training.preflight import Prepared, nothing_to_do, preflight
+from megatron_gspo.training.run_lock import rank_lock
 from megatron_gspo.training.setup import Policy, build_policy, old_logprobs, step_settings
 from megatron_gspo.training.step import train_on_batch
 
@@ -315,12 +322,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     config = load_config(argv[0], argv[1:])
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's global rank
     done = nothing_to_do(config)  # (`megatron-gspo train` says so before it starts torchrun)
     if done:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(done, flush=True)
         return 0
-    train(config)
+    with rank_lock(config, rank):  # started by plain torchrun, rank 0 holds the run directories' lock
+        train(config)
     dist.destroy_process_group()
     return 0
 

@@ -180,7 +180,7 @@ def test_resuming_at_or_past_num_steps_says_there_is_nothing_to_do_and_starts_no
     args = ["train", str(REPO / "examples/tiny_cpu.yaml"), f"model.hf_path={tmp_path / 'hf'}",
             f"logging.run_dir={tmp_path / 'run'}", f"data.train={base.data.train[0]}", f"checkpoint.dir={ckpt}"]
 
-    def started(*_):
+    def started(*_, **__):
         raise AssertionError("nothing may start")
     monkeypatch.setattr(preflight_module, "open_datasets", started)  # preflight's last, slowest part
     monkeypatch.setattr(launch, "run_torchrun", started)
