@@ -13,11 +13,13 @@ so the project's checkpoint tools read it as they read any Megatron checkpoint: 
 `convert.load.load_weights(model, DIR)` or an HF export of DIR.
 
 A checkpoint is written into DIR/iter_0000007.tmp/ and renamed to iter_0000007/ by rank 0 only after
-every rank has finished writing, then the `latest` file is updated: a crash at any moment leaves
-either the previous complete checkpoint as the latest or the new one, never a partial one.
-`.tmp` leftovers of a crashed save are ignored by `find_latest` and deleted by the next save.
-Written in the background (`BackgroundSaves`, checkpoint.async_save), the rename and the `latest` file
-wait until every rank's writer has finished: the same guarantee, later.
+every rank has finished writing (its *publication*), then the `latest` file is updated: a crash at any
+moment leaves either the previous complete checkpoint as the latest or the new one, never a partial one.
+Written in the background (`BackgroundSaves`, checkpoint.async_save), the publication waits until every
+rank's writer has finished: the same guarantee, later. It happens at the next save, at the run's end, on
+a stop signal, and on an error every rank raises together (the driver's `RolloutFailed`: rank 0's rollout,
+scoring or weight push failed); an error on one rank alone cannot publish it (the others cannot join in)
+and neither can a kill. `.tmp` leftovers are ignored by `find_latest` and deleted by the next save.
 
 Exactness: model and Adam state (both moments and the step count) are saved in float32 as they are;
 with the RNG states, the data position and the scheduler step restored, the resumed run takes the
@@ -133,10 +135,23 @@ class BackgroundSaves:
     `latest` updated, old ones pruned) by `finish` once every rank's writer is done: until then the
     previous checkpoint is the latest, and a crash leaves only a `.tmp` behind. One save is in flight at
     most (the next save waits for it). Every method is collective: call it on every rank.
+
+    As a context manager, leaving the block publishes the save in flight (waiting for its writers): at a
+    normal end and on the errors in `collective_errors`, which every rank raises at the same point. Any
+    other error may be one rank's, while the others are elsewhere and cannot join the all-reduce: its
+    save stays a `.tmp`.
     """
 
-    def __init__(self):
+    def __init__(self, collective_errors: tuple[type[BaseException], ...] = ()):
         self._calls = AsyncCallsQueue(persistent=False)  # a fresh fork per save: a snapshot each time
+        self.collective_errors = collective_errors
+
+    def __enter__(self) -> "BackgroundSaves":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None or isinstance(error, self.collective_errors):
+            self.finish(wait=True)
 
     @property
     def pending(self) -> bool:
