@@ -461,8 +461,9 @@ class CheckpointConfig:
     the latest once every rank has written it (checked each step, one small all-reduce). The run's end, a
     stop signal and a failure of rank 0's rollout, reward function or weight push (raised on every rank)
     wait for it and publish it; a crash of one rank or a kill before then resumes from the previous
-    checkpoint. Tested on CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path
-    not yet run here."""
+    checkpoint, unless the save was complete (verified at the next start, then published; else removed).
+    Tested on CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path not yet run
+    here."""
     export_hf: str | None = None
     """When the run completes, the final checkpoint converted to a Hugging Face model in this directory
     (the checkpoint tools' mcore->hf conversion; config and tokenizer files from model.hf_path). An

@@ -17,7 +17,7 @@ back as `Ended("signal")` and ends the run with the previous step's checkpoint, 
 continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoint of the last step.
 A failure of rank 0's rollout, scoring or weight push (a server died, a broken reward function) is raised
 on every rank together (`RolloutFailed`), after the background checkpoint every rank has written is
-published.
+published; what an error on one rank or a kill leaves unpublished, the next start publishes if complete.
 """
 from __future__ import annotations
 
@@ -277,8 +277,14 @@ def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: Rollo
 
 
 def initial_weights(config: TrainConfig, policy: Policy) -> ckpt.TrainerState:
-    """Load the latest checkpoint when resuming; else the HF model, converted once into run_dir."""
+    """Load the latest checkpoint when resuming (one a crash left complete but unpublished included);
+    else the HF model, converted once into run_dir."""
     c = config.checkpoint
+    if c.dir and c.resume:
+        if dist.get_rank() == 0:
+            for line in ckpt.recover_unpublished(c.dir, keep_last=c.keep_last):
+                print(line, flush=True)
+        dist.barrier()
     if c.dir and c.resume and ckpt.find_latest(c.dir) is not None:
         state = ckpt.load_checkpoint(c.dir, policy.model, policy.optimizer, policy.scheduler)
         if dist.get_rank() == 0:
