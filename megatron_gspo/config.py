@@ -493,9 +493,12 @@ class CheckpointConfig:
     """Write checkpoints in the background (Megatron-Core's async save): the step waits only for the
     small files and the planning; a forked process writes the tensors from a copy-on-write snapshot
     (memory: up to one more copy of the pages training changes meanwhile), and the checkpoint becomes
-    the latest once every rank has written it (checked each step, one small all-reduce). A crash before
-    then resumes from the previous checkpoint. The run's end and a stop signal wait for it. Tested on
-    CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path not yet run here."""
+    the latest once every rank has written it (checked each step, one small all-reduce). The run's end, a
+    stop signal and a failure of rank 0's rollout, reward function or weight push (raised on every rank)
+    wait for it and publish it; a crash of one rank or a kill before then resumes from the previous
+    checkpoint, unless the save was complete (verified at the next start, then published; else removed).
+    Tested on CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path not yet run
+    here."""
     export_hf: str | None = None
     """When the run completes, the final checkpoint converted to a Hugging Face model in this directory
     (the checkpoint tools' mcore->hf conversion; config and tokenizer files from model.hf_path). An

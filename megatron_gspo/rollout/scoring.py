@@ -11,7 +11,8 @@ applies the batch rule: more than half the samples timing out or failing is an e
 function and a failing sample (rewards/pool.py:check_batch) instead of a step trained on zeros.
 
 With the in-process backend every rank generates the same groups; only rank 0 scores (a verifier that
-times out on one rank but not another would split the ranks' batches) and its rewards reach every rank.
+times out on one rank but not another would split the ranks' batches) and its rewards reach every rank,
+or its failure: every rank then raises RolloutFailed with rank 0's message (rollout/protocol.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from megatron_gspo import profiling
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.rewards.pool import RewardPool, Score, check_batch
+from megatron_gspo.rollout.protocol import Failed, RolloutFailed, failed_on_rank0
 from megatron_gspo.samples import Sample
 
 
@@ -69,32 +71,44 @@ class Scorer:
         return self.pool.submit([sample])[0]
 
     async def score(self, groups: Sequence[Sequence[Sample]]) -> ScoreCounts:
-        """Set every sample's reward (collective with `collective=True`); the counts of this call."""
+        """Set every sample's reward (collective with `collective=True`: rank 0's failure raises RolloutFailed
+        on every rank); the counts of this call."""
         start = time.perf_counter()
-        rewards: list[list[float]] | None = None
+        rewards: list[list[float]] | Failed | None = None
         counts = ScoreCounts(samples=sum(len(g) for g in groups),
                              truncated=sum(s.finish_reason == "length" for g in groups for s in g))
         if self.pool is not None:
-            for group in groups:
-                if id(group) not in self._pending:  # a backend that never called on_group
-                    self.submit(group)
-            scores = [await _results(self._pending.pop(id(g))) for g in groups]
-            flat = [s for group in scores for s in group]
-            counts.timeouts = sum(s.status == "timeout" for s in flat)
-            counts.errors = sum(s.status == "error" for s in flat)
-            counts.unparsed = sum(s.status == "unparsed" for s in flat)
-            check_batch(flat, [s for g in groups for s in g], self.reward.fn)
-            rewards = [[s.value for s in group] for group in scores]
+            try:
+                rewards = await self._score_here(groups, counts)
+            except Exception as error:
+                if not self.collective:
+                    raise
+                rewards = failed_on_rank0("scoring", error)  # the other ranks wait for it below
         if self.collective:
             box = [(rewards, counts.timeouts, counts.errors, counts.unparsed)]
             dist.broadcast_object_list(box, src=0)
             rewards, counts.timeouts, counts.errors, counts.unparsed = box[0]
+            if isinstance(rewards, Failed):
+                raise RolloutFailed(rewards.message)
         for group, values in zip(groups, rewards):
             for sample, value in zip(group, values):
                 sample.reward = float(value)
         counts.wait_s = time.perf_counter() - start
         profiling.add(profiling.current() + "/reward_wait", counts.wait_s)
         return counts
+
+    async def _score_here(self, groups: Sequence[Sequence[Sample]], counts: ScoreCounts) -> list[list[float]]:
+        """The pool's rewards per group, with the failure counts added to `counts` (rank 0)."""
+        for group in groups:
+            if id(group) not in self._pending:  # a backend that never called on_group
+                self.submit(group)
+        scores = [await _results(self._pending.pop(id(g))) for g in groups]
+        flat = [s for group in scores for s in group]
+        counts.timeouts = sum(s.status == "timeout" for s in flat)
+        counts.errors = sum(s.status == "error" for s in flat)
+        counts.unparsed = sum(s.status == "unparsed" for s in flat)
+        check_batch(flat, [s for g in groups for s in g], self.reward.fn)
+        return [[s.value for s in group] for group in scores]
 
 
 async def _results(futures: Sequence[Future]) -> list[Score]:

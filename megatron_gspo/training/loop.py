@@ -15,6 +15,9 @@ training/preemption.py) during start-up stops at once; during the loop it ends t
 current step, with a checkpoint when `checkpoint.save_on_signal`. A rollout interrupted by it comes
 back as `Ended("signal")` and ends the run with the previous step's checkpoint, from which a resumed run
 continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoint of the last step.
+A failure of rank 0's rollout, scoring or weight push (a server died, a broken reward function) is raised
+on every rank together (`RolloutFailed`), after the background checkpoint every rank has written is
+published; what an error on one rank or a kill leaves unpublished, the next start publishes if complete.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ from megatron_gspo.rollout.sglang.backend import start_sglang
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.sglang.server import stop_all
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
+from megatron_gspo.rollout.protocol import RolloutFailed
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, plot
@@ -80,10 +84,13 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
     settings, source = step_settings(config, policy.shape), old_logprobs(config, policy)
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
-    saves = ckpt.BackgroundSaves() if config.checkpoint.async_save else None
     with contextlib.ExitStack() as stack:
         rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack,
                                                                       started)))
+        # Background checkpoints: the last one is published when the loop ends, and before a RolloutFailed
+        # that every rank raises (checkpoint.py: an error on one rank alone cannot).
+        saves = (stack.enter_context(ckpt.BackgroundSaves(collective_errors=(RolloutFailed,)))
+                 if config.checkpoint.async_save else None)
         rollout.preload(state.user_state.get("rollout_ahead", []))  # batches sampled before the checkpoint
         logger = stack.enter_context(open_logger(config, state)) if dist.get_rank() == 0 else None
         if state.step:  # the servers start from the HF weights: give them the resumed ones
@@ -142,8 +149,6 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                     log_eval(logger, config, state.step, evaluation)
             if stopping:
                 break
-        if saves is not None:  # the last checkpoint, complete before the run ends
-            saves.finish(wait=True)
     if stop.requested and dist.get_rank() == 0:
         print(f"stopping on {stop.signal_name} after step {state.step}", flush=True)
     stop.arm(False)  # the servers are stopped: from here on a signal ends the process at once
@@ -279,8 +284,14 @@ def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: Rollo
 
 
 def initial_weights(config: TrainConfig, policy: Policy) -> ckpt.TrainerState:
-    """Load the latest checkpoint when resuming; else the HF model, converted once into run_dir."""
+    """Load the latest checkpoint when resuming (one a crash left complete but unpublished included);
+    else the HF model, converted once into run_dir."""
     c = config.checkpoint
+    if c.dir and c.resume:
+        if dist.get_rank() == 0:
+            for line in ckpt.recover_unpublished(c.dir, keep_last=c.keep_last):
+                print(line, flush=True)
+        dist.barrier()
     if c.dir and c.resume and ckpt.find_latest(c.dir) is not None:
         state = ckpt.load_checkpoint(c.dir, policy.model, policy.optimizer, policy.scheduler)
         if dist.get_rank() == 0:
