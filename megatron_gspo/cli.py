@@ -212,7 +212,8 @@ def run_serve(args) -> int:
     python = args.sglang_python or default_sglang_python()
     log_dir = args.log_dir or str(Path(config.logging.run_dir, "sglang_logs", socket.gethostname()))
     server = ServerConfig(model_path=config.model.hf_path, settings=config.rollout, device=args.device,
-                          dtype=config.model.dtype, python=shutil.which(python) or python, host=args.host,
+                          dtype=config.rollout.server_dtype or config.model.dtype, python=shutil.which(python) or python,
+                          host=args.host,
                           weight_version="0", return_routed_experts=config.gspo.routing_replay == "rollout",
                           log_dir=log_dir, extra_args=tuple(shlex.split(args.sglang_args)))
     return serve(server, args.port)

@@ -233,6 +233,9 @@ class RolloutConfig:
     server_args: tuple[str, ...] = ()
     """Further `sglang.launch_server` arguments for the servers this run launches (and `megatron-gspo
     serve`), verbatim, e.g. `rollout.server_args=[--mem-fraction-static,0.8]`."""
+    server_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The launched servers' weights/activations dtype (`--dtype`); None: model.dtype, the trainer's. bfloat16
+    with a float32 trainer makes the train-inference mismatch a bf16 sampler brings (correction.*)."""
     max_total_tokens: int | None = None
     """KV-cache size of each launched server, in tokens (`--max-total-tokens`). None: SGLang's own on CUDA,
     16384 on CPU (where SGLang's own would take ~70% of the machine's memory)."""
