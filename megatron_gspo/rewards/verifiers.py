@@ -27,8 +27,6 @@ import logging
 import re
 from typing import Callable
 
-from math_verify import parse, verify
-
 from megatron_gspo.rewards import Unparsed
 from megatron_gspo.samples import Sample
 
@@ -70,12 +68,14 @@ def parse_gold(answer: str) -> list:
     so an answer without its own "$" or "\\boxed" is parsed as "$answer$" first, then bare, then
     as "\\boxed{answer}"; the first that yields something wins.
     """
+    import math_verify  # (see load_reward_fn)
+
     if "$" in answer or "\\boxed" in answer:
         candidates = (answer,)
     else:
         candidates = (f"${answer}$", answer, f"\\boxed{{{answer}}}")
     for text in candidates:
-        gold = parse(text, parsing_timeout=None)
+        gold = math_verify.parse(text, parsing_timeout=None)
         if gold:
             return gold
     raise ValueError(f"math reward: reference answer {answer!r} cannot be parsed by math-verify")
@@ -83,13 +83,15 @@ def parse_gold(answer: str) -> list:
 
 def math_reward(sample: Sample) -> float:
     """1.0 when math-verify finds the response's final answer equal to the reference answer, else 0.0."""
+    import math_verify  # (see load_reward_fn)
+
     if sample.answer is None:
         raise ValueError("math reward needs the sample's answer")
     gold = parse_gold(sample.answer)
-    prediction = parse((sample.response_text or "")[-MAX_RESPONSE_CHARS:], parsing_timeout=None)
+    prediction = math_verify.parse((sample.response_text or "")[-MAX_RESPONSE_CHARS:], parsing_timeout=None)
     if not prediction:
         return 0.0
-    return float(verify(gold, prediction, timeout_seconds=None))
+    return float(math_verify.verify(gold, prediction, timeout_seconds=None))
 
 
 def _integer(text: str) -> str:
@@ -119,6 +121,11 @@ BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match,
 
 def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name (BUILTIN) or a user function "package.module:function"."""
+    if spec == "math":
+        # Imported here, not with this module: SymPy takes ~1 s (2 s on a loaded machine) to import, which
+        # a worker of another function would pay at every start, e.g. when it replaces one killed past its
+        # time limit; a math worker pays it at start-up, outside its first sample's time limit.
+        import math_verify  # noqa: F401
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")
