@@ -14,8 +14,9 @@ What can go wrong with a sample, and what it costs:
 - the worker dies (os._exit, a segfault): Score(0, "error", "worker died (exit code N)"), replaced.
 
 `workers=0` scores in the calling thread instead: no process, no pickling, no pipe (~0.3 ms for 256
-exact_match samples against ~15 ms through two workers, measured here), and no protection: no time limit,
-and a crash or a hang of the function is the trainer's. For cheap, trusted functions (exact_match).
+exact_match samples against ~15 ms through two workers, measured here), and no time limit, which
+cannot be enforced in the caller's thread. So it is refused except for the built-ins whose time is
+bounded by the response's length (verifiers.BOUNDED: exact_match, final_answer); "math" can hang.
 
 `check_batch` turns a batch where most samples failed into a RewardError: a broken reward function
 should stop the run, while an occasional hostile response should only cost its own reward.
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from megatron_gspo.rewards.verifiers import BOUNDED, load_reward_fn
 from megatron_gspo.rewards.worker import _LENGTH, score_one, write_message
 from megatron_gspo.samples import Sample
 
@@ -163,9 +165,9 @@ _STOP = object()
 class RewardPool:
     """Scores samples with a reward function in `workers` processes, `timeout_s` per sample.
 
-    Construction starts the workers and raises RewardError if the function cannot be loaded.
-    `submit` is thread-safe and returns at once; `score` blocks. Use as a context manager or call
-    `close()` (idempotent): it stops every worker process.
+    Construction starts the workers and raises RewardError if the function cannot be loaded, ValueError
+    for workers=0 with a function not known to be bounded. `submit` is thread-safe and returns at once;
+    `score` blocks. Use as a context manager or call `close()` (idempotent): it stops every worker process.
     """
 
     def __init__(self, fn_spec: str, *, workers: int = 2, timeout_s: float = 10.0):
@@ -173,7 +175,10 @@ class RewardPool:
             raise ValueError(f"reward pool: workers must be >= 0, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward pool: timeout_s must be > 0, got {timeout_s}")
-        self.fn_spec, self.timeout_s = fn_spec, timeout_s
+        if workers == 0 and fn_spec not in BOUNDED:
+            raise ValueError(f"reward pool: workers=0 scores in the calling thread, where no time limit can be "
+                             f"enforced: only for {', '.join(sorted(BOUNDED))}, not {fn_spec!r} (use workers >= 1)")
+        self.fn_spec, self.workers, self.timeout_s = fn_spec, workers, timeout_s
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -182,7 +187,6 @@ class RewardPool:
         self._inline = None
         self._workers, self._threads = [], []
         if workers == 0:  # in this process (see the module docstring)
-            from megatron_gspo.rewards.verifiers import load_reward_fn  # math-verify: imported when needed
             try:
                 self._inline = load_reward_fn(fn_spec)
             except Exception as e:

@@ -18,7 +18,9 @@ and would fight the pool's deadline. They are turned off here (`parsing_timeout=
 `timeout_seconds=None`): `RewardPool` runs every call in a worker process and kills it past the
 deadline. Calling `math_reward` directly therefore has no time limit: the bounded input
 (`MAX_RESPONSE_CHARS`) keeps long responses cheap, but a short one such as "\\boxed{9^{9^{9^{9}}}}"
-makes SymPy evaluate a power tower and never return. Score untrusted text through the pool.
+makes SymPy evaluate a power tower and never return. Score untrusted text through the pool, in
+worker processes: `RewardPool(..., workers=0)` (no processes, no time limit) takes only the functions
+of `BOUNDED`.
 """
 from __future__ import annotations
 
@@ -117,6 +119,11 @@ def final_answer(sample: Sample) -> float:
 
 
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "final_answer": final_answer}
+
+BOUNDED = frozenset({"exact_match", "final_answer"})
+"""The built-ins whose time is linear in the response (a string compare; one regular expression without
+nested repetition): the only functions a RewardPool scores in the caller's thread (workers=0), where no
+time limit can be enforced. Not "math": SymPy can run forever on a short response (see the module doc)."""
 
 
 def load_reward_fn(spec: str) -> RewardFn:

@@ -1,5 +1,5 @@
 """RewardPool: worker processes score samples like direct calls, in parallel, and survive hangs,
-crashes and bad return values; check_batch; the score CLI."""
+crashes and bad return values; workers=0 only for bounded built-ins; check_batch; the score CLI."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from megatron_gspo.rewards.pool import RewardError, RewardPool, Score, check_batch
-from megatron_gspo.rewards.verifiers import math_reward
+from megatron_gspo.rewards.verifiers import BUILTIN
 from megatron_gspo.samples import Sample
 
 UNIT = Path(__file__).parent
@@ -25,17 +25,18 @@ def children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.parametrize("workers", [2, 0])  # 0: in this process
-def test_scores_match_direct_calls_in_order(workers):
+@pytest.mark.parametrize("fn, workers", [("math", 2), ("exact_match", 0)])  # 0: in this process
+def test_scores_match_direct_calls_in_order(fn, workers):
     samples = [sample(r, a, i) for i, (r, a) in enumerate([
         ("\\boxed{0.5}", "\\frac{1}{2}"), ("The answer is 7.", "7"), ("\\boxed{8}", "7"),
-        ("\\boxed{(1,2]}", "(1,2]"), ("nothing", "3")])]
+        ("\\boxed{(1,2]}", "(1,2]"), ("nothing", "3"), ("7", "7")])]
     before = children()
-    with RewardPool("math", workers=workers, timeout_s=10) as pool:
+    with RewardPool(fn, workers=workers, timeout_s=10) as pool:
         scores = pool.score(samples)
         assert len(children() - before) == workers
-    assert scores == [Score(math_reward(s), "ok") for s in samples]
-    assert [s.value for s in scores] == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert scores == [Score(BUILTIN[fn](s), "ok") for s in samples]
+    if fn == "math":
+        assert [s.value for s in scores] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
 
 
 def test_submit_returns_futures_at_once_and_two_workers_run_in_parallel():
@@ -84,9 +85,8 @@ def test_segfault_is_an_error():
     ("nan", "returned nan (need a finite number)"),
     ("text", "returned '1.0' of type str (need a number)"),
 ])
-@pytest.mark.parametrize("workers", [1, 0])
-def test_bad_functions_are_errors_and_the_worker_survives(fn, detail, workers):
-    with RewardPool(f"reward_fns:{fn}", workers=workers, timeout_s=5) as pool:
+def test_bad_functions_are_errors_and_the_worker_survives(fn, detail):
+    with RewardPool(f"reward_fns:{fn}", workers=1, timeout_s=5) as pool:
         scores = pool.score([sample("x"), sample("y")])
         assert scores == [Score(0.0, "error", detail)] * 2 and pool.replacements == 0
 
@@ -108,7 +108,7 @@ def test_stdout_noise_does_not_break_the_protocol():
         assert pool.score([sample("x")] * 3) == [Score(0.5, "ok")] * 3
 
 
-@pytest.mark.parametrize("workers", [2, 0])
+@pytest.mark.parametrize("workers", [2, 1])
 def test_load_failure_raises_at_construction_and_leaves_no_process(workers):
     before = children()
     with pytest.raises(RewardError, match="'reward_fns:missing' cannot be loaded: .*no attribute 'missing'"):
@@ -174,3 +174,11 @@ def test_math_on_a_power_tower_times_out_instead_of_hanging():
     with RewardPool("math", workers=1, timeout_s=0.5) as pool:
         scores = pool.score([sample("\\boxed{9^{9^{9^{9}}}}"), sample("\\boxed{7}")])
     assert [s.status for s in scores] == ["timeout", "ok"] and scores[1].value == 1.0
+
+
+def test_workers_0_only_for_functions_known_to_be_bounded():
+    # In the calling thread no time limit can be enforced: math (SymPy can hang) and user functions need workers.
+    for fn in ("math", "reward_fns:hang_on_hang"):
+        with pytest.raises(ValueError, match=rf"workers=0 .*no time limit can be enforced: only for exact_match, "
+                                             rf"final_answer, not '{fn}' \(use workers >= 1\)"):
+            RewardPool(fn, workers=0)
