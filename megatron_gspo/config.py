@@ -366,7 +366,9 @@ class RewardConfig:
     trainer's rollout thread, no process, no time limit: only for the built-ins known to finish quickly
     (exact_match, final_answer; refused before the run starts for math and user functions)."""
     timeout_s: float = 10.0
-    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout."""
+    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout. The
+    first 2 x max(workers, 1) samples of the run all failing (timeouts or errors) stops the run
+    (rewards/pool.py)."""
     truncated: Literal["keep", "zero"] = "keep"
     """Responses cut by max_new_tokens (finish reason "length"): scored as they are, or 0."""
 

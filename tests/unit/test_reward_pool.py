@@ -1,5 +1,7 @@
 """RewardPool: worker processes score samples like direct calls, in parallel, and survive hangs,
-crashes and bad return values; workers=0 only for bounded built-ins; check_batch; the score CLI."""
+crashes and bad return values; a function that fails on the first samples is given up on within about
+two timeouts, one hostile response costs only its own reward; workers=0 only for bounded built-ins;
+check_batch; the score CLI."""
 import os
 import subprocess
 import sys
@@ -16,9 +18,9 @@ from megatron_gspo.samples import Sample
 UNIT = Path(__file__).parent
 
 
-def sample(response, answer="7", index=0):
+def sample(response, answer="7", index=0, metadata=None):
     return Sample(group_id=5, sample_index=index, prompt_ids=[], response_ids=[], rollout_logprobs=[],
-                  finish_reason="stop", response_text=response, answer=answer)
+                  finish_reason="stop", response_text=response, answer=answer, metadata=metadata)
 
 
 def children():
@@ -86,9 +88,10 @@ def test_segfault_is_an_error():
     ("text", "returned '1.0' of type str (need a number)"),
 ])
 def test_bad_functions_are_errors_and_the_worker_survives(fn, detail):
-    with RewardPool(f"reward_fns:{fn}", workers=1, timeout_s=5) as pool:
-        scores = pool.score([sample("x"), sample("y")])
-        assert scores == [Score(0.0, "error", detail)] * 2 and pool.replacements == 0
+    # 3 failures of 2 workers: fewer than the 4 (2 x workers) that give up on the function
+    with RewardPool(f"reward_fns:{fn}", workers=2, timeout_s=5) as pool:
+        scores = pool.score([sample("x"), sample("y"), sample("z")])
+        assert scores == [Score(0.0, "error", detail)] * 3 and pool.replacements == 0
 
 
 @pytest.mark.parametrize("workers", [1, 0])
@@ -174,6 +177,60 @@ def test_math_on_a_power_tower_times_out_instead_of_hanging():
     with RewardPool("math", workers=1, timeout_s=0.5) as pool:
         scores = pool.score([sample("\\boxed{9^{9^{9^{9}}}}"), sample("\\boxed{7}")])
     assert [s.status for s in scores] == ["timeout", "ok"] and scores[1].value == 1.0
+
+
+def test_a_function_that_always_hangs_is_given_up_on_within_two_timeouts(tmp_path):
+    # 2 workers, 1 s each: samples 0-1 time out at ~1 s, 2-3 at ~2 s (after the replacements start), and
+    # the 4th failure in a row (2 x workers) gives up: the 12 queued samples are never run.
+    log = tmp_path / "started"
+    samples = [sample("x", index=i, metadata={"log": str(log)}) for i in range(16)]
+    before = children()
+    with RewardPool("reward_fns:hangs", workers=2, timeout_s=1) as pool:
+        start = time.perf_counter()
+        futures = pool.submit(samples)
+        with pytest.raises(RewardError) as info:
+            [f.result() for f in futures]
+        took = time.perf_counter() - start
+        assert took < 3.0, took   # before: 16 x 1 s / 2 workers = 8 s, then every sample a timeout
+        assert sum(not f.exception() for f in futures) == 3   # 3 timeouts; the 4th and every other sample raise
+        assert all(f.exception() is info.value for f in futures if f.exception())
+        assert pool.failure is info.value
+        with pytest.raises(RewardError):   # and so does anything submitted later
+            pool.score([sample("z")])
+        time.sleep(1.2)   # past a timeout: nothing queued starts after the pool gave up
+        started = [int(i) for i in log.read_text().split()]
+        assert len(started) <= 6 and set(started) <= {0, 1, 2, 3, 4, 5}, started  # at most 1 in flight per worker
+    assert children() <= before
+    message = str(info.value)
+    assert message.startswith("reward function 'reward_fns:hangs' failed on its first 4 samples in a row "
+                              "(4 timed out after 1 s): is it broken?"), message
+    assert "megatron-gspo score --fn reward_fns:hangs" in message
+    assert "First failure: group 5 sample " in message and "timeout: no result within 1 s" in message
+
+
+@pytest.mark.parametrize("workers", [2, 0])   # 0: final_answer scored in this process
+def test_a_function_that_always_errors_is_given_up_on_at_once(workers):
+    # final_answer raises ValueError on a reference answer that is not an integer (as a broken function
+    # raises on every sample): 2 x max(workers, 1) errors in a row, the rest never scored.
+    samples = [sample("answer: 7", answer="seven", index=i) for i in range(64)]
+    with RewardPool("final_answer", workers=workers, timeout_s=5) as pool:
+        start = time.perf_counter()
+        futures = pool.submit(samples)
+        with pytest.raises(RewardError, match=rf"'final_answer' failed on its first {2 * max(workers, 1)} samples "
+                                              rf"in a row \({2 * max(workers, 1)} errors\).*First failure: group 5 "
+                                              r"sample \d+ \(response 'answer: 7'\): error: raised ValueError"):
+            [f.result() for f in futures]
+        assert time.perf_counter() - start < 1.0
+        assert sum(not f.exception() for f in futures) == 2 * max(workers, 1) - 1
+
+
+def test_one_hostile_response_costs_only_its_own_reward():
+    # First sample hostile, then fine: one failure of the 2 that would give up (workers=1).
+    with RewardPool("reward_fns:hang_on_hang", workers=1, timeout_s=0.3) as pool:
+        assert [s.status for s in pool.score([sample("hang"), sample("a"), sample("b")])] == ["timeout", "ok", "ok"]
+        # Later in the run even several in a row only cost their own rewards: the function has worked.
+        statuses = [s.status for s in pool.score([sample("hang"), sample("hang"), sample("hang"), sample("c")])]
+        assert statuses == ["timeout", "timeout", "timeout", "ok"] and pool.failure is None
 
 
 def test_workers_0_only_for_functions_known_to_be_bounded():
