@@ -6,9 +6,10 @@
 
 `submit` hands a group's samples to the worker processes the moment the group's last response arrives,
 so verifiers run while the other groups are still generating; `score` waits for what is left (that
-wait is `ScoreCounts.wait_s`, the part of scoring generation did not hide), sets `sample.reward`, and
-applies the batch rule: more than half the samples timing out or failing is an error naming the
-function and a failing sample (rewards/pool.py:check_batch) instead of a step trained on zeros.
+wait is `ScoreCounts.wait_s`, the part of scoring generation did not hide; past `progress_every_s` a
+line says how far it is), sets `sample.reward`, and applies the batch rule: more than half the samples
+timing out or failing is an error naming the function and a failing sample (rewards/pool.py:check_batch)
+instead of a step trained on zeros.
 
 A broken function fails sooner: the pool gives up when the first samples of the run all fail
 (rewards/pool.py) and raises that RewardError from every sample not yet scored. `stop_on_failure`
@@ -60,8 +61,11 @@ class ScoreCounts:
 class Scorer:
     """The rollout's view of the reward pool. `pool` is None on ranks that receive rewards (collective)."""
 
-    def __init__(self, pool: RewardPool | None, reward: RewardConfig, *, collective: bool = False):
+    def __init__(self, pool: RewardPool | None, reward: RewardConfig, *, collective: bool = False,
+                 progress_every_s: float = 5.0):
         self.pool, self.reward, self.collective = pool, reward, collective
+        self.progress_every_s = progress_every_s
+        """While `score` waits for rewards, a progress line this often (on the rank with the pool)."""
         self._pending: dict[int, list[Future]] = {}
         self._failure_waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         """What `stop_on_failure` waits on, while it does."""
@@ -146,12 +150,18 @@ class Scorer:
         return counts
 
     async def _wait(self, futures: Sequence[Future]) -> None:
-        """Until every future is done; the pool's RewardError as soon as a future raises it (the pool gave
-        up on the function)."""
+        """Until every future is done, with a progress line every progress_every_s; the pool's RewardError
+        as soon as a future raises it (the pool gave up on the function)."""
+        start = time.monotonic()
         waiting = [f for f in futures if not f.done()]  # none with reward.workers=0
-        if waiting:
-            done, _ = await asyncio.to_thread(concurrent.futures.wait, waiting, None,
-                                              concurrent.futures.FIRST_EXCEPTION)
+        while waiting:
+            done, waiting = await asyncio.to_thread(concurrent.futures.wait, waiting, self.progress_every_s,
+                                                    concurrent.futures.FIRST_EXCEPTION)
             for f in done:
                 if not f.cancelled() and f.exception() is not None:
                     raise f.exception()
+            if waiting:
+                workers = self.pool.workers
+                print(f"waiting for rewards: {len(futures) - len(waiting)} of {len(futures)} samples scored after "
+                      f"{time.monotonic() - start:.0f} s (reward.fn={self.reward.fn}, {workers} "
+                      f"worker{'s' * (workers != 1)}, timeout {self.pool.timeout_s:g} s)", flush=True)

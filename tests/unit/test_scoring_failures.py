@@ -1,6 +1,7 @@
 """A broken reward function stops the rollout (training and eval) within about two timeouts, naming it,
-while generation still runs or after it."""
+while generation still runs or after it; a line shows progress while a batch waits for rewards."""
 import asyncio
+import re
 import time
 
 import pytest
@@ -73,3 +74,15 @@ def test_eval_stops_within_two_timeouts():
         check_stopped(info.value, time.perf_counter() - start)
     assert events == ["generation cancelled"]
 
+
+def test_a_line_while_the_batch_waits_for_rewards(capsys):
+    # 8 samples of 0.3 s on one worker: ~2.4 s of waiting, a line every 0.5 s (5 s in training).
+    with RewardPool("reward_fns:sleepy", workers=1, timeout_s=10) as pool:
+        scorer = Scorer(pool, RewardConfig(fn="reward_fns:sleepy", workers=1), progress_every_s=0.5)
+        batch = asyncio.run(collect_scored_groups(fake_generate([], then_s=0.0), iter(prompts(2)), 2, scorer))
+    assert [s.reward for s in batch.samples] == [1.0] * 8
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2, lines
+    for line in lines:
+        assert re.fullmatch(r"waiting for rewards: [0-7] of 8 samples scored after [0-9] s "
+                            r"\(reward.fn=reward_fns:sleepy, 1 worker, timeout 10 s\)", line), line
