@@ -401,11 +401,12 @@ class RewardConfig:
     megatron_gspo.rewards.Unparsed: scored 0, counted in reward/unparsed_fraction)."""
     workers: int = 2
     """Worker processes scoring in parallel (a hung or crashed one is killed and replaced). 0: score in the
-    trainer's rollout thread, no process: for cheap, trusted functions such as exact_match (no time limit;
-    a crash or a hang of the function is the trainer's)."""
+    trainer's rollout thread, no process, no time limit: only for the built-ins known to finish quickly
+    (exact_match, final_answer; refused before the run starts for math and user functions)."""
     timeout_s: float = 10.0
-    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout
-    (not enforced with workers=0)."""
+    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout. The
+    first 2 x max(workers, 1) samples of the run all failing (timeouts or errors) stops the run
+    (rewards/pool.py)."""
     truncated: Literal["keep", "zero"] = "keep"
     """Responses cut by max_new_tokens (finish reason "length"): scored as they are, or 0."""
 

@@ -14,11 +14,21 @@ What can go wrong with a sample, and what it costs:
 - the worker dies (os._exit, a segfault): Score(0, "error", "worker died (exit code N)"), replaced.
 
 `workers=0` scores in the calling thread instead: no process, no pickling, no pipe (~0.3 ms for 256
-exact_match samples against ~15 ms through two workers, measured here), and no protection: no time limit,
-and a crash or a hang of the function is the trainer's. For cheap, trusted functions (exact_match).
+exact_match samples against ~15 ms through two workers, measured here), and no time limit, which
+cannot be enforced in the caller's thread. So it is refused except for the built-ins whose time is
+bounded by the response's length (verifiers.BOUNDED: exact_match, final_answer); "math" can hang.
 
-`check_batch` turns a batch where most samples failed into a RewardError: a broken reward function
-should stop the run, while an occasional hostile response should only cost its own reward.
+A broken function stops the run, while an occasional hostile response only costs its own reward:
+- the pool gives up when the first 2 x max(workers, 1) samples it scores (in the order they finish) all
+  fail (time out or error; "unparsed" is a reward, not a failure). Two per worker, so that it takes two timeouts in a row on every
+  worker (~2 x timeout_s) rather than one unlucky response; a single success disarms the rule for the
+  pool's life, so a hostile response later in the run never stops it. Giving up is at once and final:
+  the queued samples are never run, the running ones are killed, and every unresolved Future, and every
+  Future submitted from then on, raises the RewardError (`failure`) naming the function, the count and
+  one failing sample. (A malformed reference answer on the very first prompt looks the same: every
+  sample of its group errors. The message shows the sample, so that is found too.)
+- `check_batch` turns a batch where most samples failed into a RewardError (a function that breaks
+  later in the run, or on most but not all responses).
 """
 from __future__ import annotations
 
@@ -37,9 +47,12 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from megatron_gspo.platform.lifetime import parent_death_preexec
+from megatron_gspo.rewards.verifiers import BOUNDED, load_reward_fn
 from megatron_gspo.rewards.worker import _LENGTH, score_one, write_message
 from megatron_gspo.samples import Sample
 
+FIRST_FAILURES_PER_WORKER = 2
+"""The pool gives up when its first FIRST_FAILURES_PER_WORKER x max(workers, 1) samples all fail."""
 STARTUP_TIMEOUT_S = 60.0
 """A worker must load the reward function and answer the handshake within this time."""
 EXIT_GRACE_S = 2.0
@@ -47,7 +60,8 @@ EXIT_GRACE_S = 2.0
 
 
 class RewardError(RuntimeError):
-    """The reward function cannot be loaded, or failed on most of a batch; the message says which."""
+    """The reward function cannot be loaded, failed on the first samples of the run or on most of a batch;
+    the message says which."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,11 @@ class _Worker:
             got += len(chunk)
         return b"".join(chunks)
 
+    @property
+    def lost(self) -> bool:
+        """The process has exited (killed past its deadline, or died)."""
+        return self.proc.poll() is not None
+
     def exit_description(self) -> str:
         code = self.proc.wait()
         if code < 0:
@@ -166,9 +185,11 @@ _STOP = object()
 class RewardPool:
     """Scores samples with a reward function in `workers` processes, `timeout_s` per sample.
 
-    Construction starts the workers and raises RewardError if the function cannot be loaded.
-    `submit` is thread-safe and returns at once; `score` blocks. Use as a context manager or call
-    `close()` (idempotent): it stops every worker process.
+    Construction starts the workers and raises RewardError if the function cannot be loaded, ValueError
+    for workers=0 with a function not known to be bounded. `submit` is thread-safe and returns at once;
+    `score` blocks. Once the pool has given up on the function (`failure`, see the module doc), every
+    Future it has not resolved raises that RewardError. Use as a context manager or call `close()`
+    (idempotent): it stops every worker process.
     """
 
     def __init__(self, fn_spec: str, *, workers: int = 2, timeout_s: float = 10.0):
@@ -176,16 +197,25 @@ class RewardPool:
             raise ValueError(f"reward pool: workers must be >= 0, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward pool: timeout_s must be > 0, got {timeout_s}")
-        self.fn_spec, self.timeout_s = fn_spec, timeout_s
+        if workers == 0 and fn_spec not in BOUNDED:
+            raise ValueError(f"reward pool: workers=0 scores in the calling thread, where no time limit can be "
+                             f"enforced: only for {', '.join(sorted(BOUNDED))}, not {fn_spec!r} (use workers >= 1)")
+        self.fn_spec, self.workers, self.timeout_s = fn_spec, workers, timeout_s
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
         self.replacements = 0
         """How many workers were killed or died and were replaced (for metrics and tests)."""
+        self.failure: RewardError | None = None
+        """Set when the pool has given up on the function (see the module doc); final."""
+        self._first_failures: list[tuple[Sample, Score]] | None = []
+        """The failures since the start, while every sample has failed; None after the first success."""
+        self._give_up_after = FIRST_FAILURES_PER_WORKER * max(workers, 1)
         self._inline = None
         self._workers, self._threads = [], []
+        self._running: list[concurrent.futures.Future | None] = [None] * workers
+        """The Future each worker is scoring (killed when the pool gives up)."""
         if workers == 0:  # in this process (see the module docstring)
-            from megatron_gspo.rewards.verifiers import load_reward_fn  # math-verify: imported when needed
             try:
                 self._inline = load_reward_fn(fn_spec)
             except Exception as e:
@@ -206,18 +236,25 @@ class RewardPool:
             t.start()
 
     def submit(self, samples: Sequence[Sample]) -> list[concurrent.futures.Future]:
-        """Queue the samples; one Future[Score] per sample, in order."""
-        futures = []
+        """Queue the samples; one Future[Score] per sample, in order (raising `failure` once given up)."""
+        futures = [concurrent.futures.Future() for _ in samples]
         with self._lock:
             if self._closed:
                 raise RuntimeError("reward pool is closed")
-            for sample in samples:
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                if self._inline is not None:
-                    future.set_result(_score(*score_one(self._inline, sample)))
-                else:
-                    self._jobs.put((sample, future))
-                futures.append(future)
+            if self._inline is None and self.failure is None:
+                for job in zip(samples, futures):
+                    self._jobs.put(job)
+                return futures
+        for sample, future in zip(samples, futures):  # workers=0 (scored here), or given up
+            if self.failure is not None:
+                future.set_exception(self.failure)
+                continue
+            score = _score(*score_one(self._inline, sample))
+            with self._lock:
+                failure = self._record(sample, score)
+                if failure:
+                    self._give_up(failure)  # (nothing queued or running: the rest of `samples` fail above)
+            _settle(future, score, failure)
         return futures
 
     def score(self, samples: Sequence[Sample]) -> list[Score]:
@@ -256,28 +293,82 @@ class RewardPool:
         try:
             while (item := self._jobs.get()) is not _STOP:
                 sample, future = item
-                if not future.set_running_or_notify_cancel():
+                with self._lock:
+                    given_up = self.failure
+                    if given_up is None:
+                        if not future.set_running_or_notify_cancel():
+                            continue
+                        self._running[slot] = future
+                if given_up is not None:  # taken off the queue as the pool gave up
+                    _settle(future, error=given_up)
                     continue
-                try:
-                    future.set_result(self._score_on(slot, sample))
-                except BaseException as e:  # a replacement failed to start: the pool is unusable
-                    future.set_exception(e)
+                score = self._score_on(slot, sample)
+                with self._lock:
+                    self._running[slot] = None
+                    failure = self._record(sample, score)
+                    doomed = self._give_up(failure) if failure else []
+                _settle(future, score, failure)  # a no-op when another thread's giving up resolved it
+                _fail(doomed, failure)
+                if self._workers[slot].lost and self.failure is None:
+                    try:
+                        self._replace(slot)
+                    except RewardError as e:  # no worker left in this slot: the pool is unusable
+                        with self._lock:
+                            doomed = self._give_up(e)
+                        _fail(doomed, e)
         finally:
             self._workers[slot].stop()
 
+    def _record(self, sample: Sample, score: Score) -> RewardError | None:
+        """(Under the lock.) Count a sample's outcome; the RewardError when the pool must give up now."""
+        if self.failure is not None or self._first_failures is None:
+            return None
+        if score.status not in ("timeout", "error"):
+            self._first_failures = None  # the function works: later failures cost only their sample
+            return None
+        self._first_failures.append((sample, score))
+        if len(self._first_failures) < self._give_up_after:
+            return None
+        timeouts = sum(s.status == "timeout" for _, s in self._first_failures)
+        errors = len(self._first_failures) - timeouts
+        how = ", ".join(part for part in (f"{timeouts} timed out after {self.timeout_s:g} s" if timeouts else "",
+                                          f"{errors} errors" if errors else "") if part)
+        return RewardError(
+            f"reward function {self.fn_spec!r} failed on its first {len(self._first_failures)} samples in a row "
+            f"({how}): is it broken? Stopping instead of training on zeros; try it on one response with "
+            f"`megatron-gspo score --fn {self.fn_spec} --answer A --response R`. "
+            f"First failure: {_describe(*self._first_failures[0])}")
+
+    def _give_up(self, error: RewardError) -> list[concurrent.futures.Future]:
+        """(Under the lock.) From now on every sample fails with `error`: the queued ones, returned for the
+        caller to fail outside the lock (their callbacks may call back into the pool), are never run; the
+        running ones are returned too and their workers killed (their threads do not replace them)."""
+        self.failure = error
+        doomed = []
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            doomed.append(item[1])
+        for slot, future in enumerate(self._running):
+            if future is not None:
+                self._workers[slot].proc.kill()
+                doomed.append(future)
+        return doomed
+
     def _score_on(self, slot: int, sample: Sample) -> Score:
+        """The sample's Score from this slot's worker, which is killed past the deadline (and left lost)."""
         worker = self._workers[slot]
         try:
             worker.send(sample)
             status, payload = worker.receive(self.timeout_s)
         except TimeoutError:
             worker.kill()
-            self._replace(slot)
             return Score(0.0, "timeout", f"no result within {self.timeout_s:g} s (worker killed)")
         except (_WorkerDied, BrokenPipeError):
             detail = f"worker died ({worker.exit_description()})"
             worker.kill()
-            self._replace(slot)
             return Score(0.0, "error", detail)
         return _score(status, payload)
 
@@ -286,6 +377,22 @@ class RewardPool:
         worker.handshake()
         self._workers[slot] = worker
         self.replacements += 1
+
+
+def _settle(future: concurrent.futures.Future, score: Score | None = None, error: BaseException | None = None) -> None:
+    """Resolve `future` with `error` or else `score`, unless it is resolved already (the pool gave up on it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(score)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _fail(futures: Sequence[concurrent.futures.Future], error: BaseException) -> None:
+    for future in futures:
+        _settle(future, error=error)
 
 
 def _score(status: str, payload) -> Score:

@@ -23,13 +23,14 @@ from megatron_gspo.evaluation import eval_sampling, evaluate
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.backend import SGLangBackend
 from megatron_gspo.rollout.scoring import Scorer
-from megatron_gspo.training.preflight import open_datasets
+from megatron_gspo.training.preflight import check_reward, open_datasets
 
 
 def evaluate_checkpoint(config: TrainConfig, checkpoint: str | Path) -> dict[str, float]:
     """eval/NAME/mean@k, pass@k, ... of every eval dataset of `config` on the weights in `checkpoint`."""
     if not config.eval.datasets:
         raise ValueError("eval.datasets is empty: nothing to evaluate (e.g. eval.datasets.held_out=test.jsonl)")
+    check_reward(config.reward)
     checkpoint = Path(checkpoint)
     with tempfile.TemporaryDirectory(prefix="megatron_gspo_eval_") as tmp:
         if (checkpoint / "config.json").is_file():

@@ -228,7 +228,7 @@ def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model
     overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
                  "num_steps=4", "eval.interval=0", "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
                  "rollout.partial_rollout=true", "sampling.max_new_tokens=96", "reward.fn=reward_fns:first_token_odd",
-                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "reward.workers=1", "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]
     train(*overrides, path=f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}")  # the test reward's module
     records = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())

@@ -155,12 +155,12 @@ def test_a_failure_is_every_ranks_rollout_failed_unless_a_stop_signal_came_first
 @pytest.mark.parametrize("collective", [False, True], ids=["servers", "trained_model"])
 def test_a_broken_reward_function_is_every_ranks_rollout_failed(collective):
     # Only rank 0 scores, with either backend (the trained model's scorer broadcasts rank 0's rewards).
-    with RewardPool("tests.unit.reward_fns:raises", workers=0) as pool:
+    with RewardPool("tests.unit.reward_fns:raises", workers=1) as pool:
         scorer = Scorer(pool, RewardConfig(fn="tests.unit.reward_fns:raises"), collective=collective)
         rollout = Rollout(Backend(collective=collective), Prompts(), scorer, CONFIG, stop())
         what = "rollout" if not collective else "scoring"
         with pytest.raises(RolloutFailed, match=f"^{what} failed on rank 0: RewardError: reward function "
-                                                "'tests.unit.reward_fns:raises' failed on 6 of 6 samples"):
+                                                "'tests.unit.reward_fns:raises' failed on its first 2 samples"):
             rollout.generate(0)
 
 
