@@ -301,6 +301,29 @@ def run_eval(args) -> int:
     return 0
 
 
+def _config_parser(sub) -> None:
+    p = sub.add_parser("config", help="print the resolved configuration (what `train` would run), or the reference",
+                       description="Print CONFIG with the overrides applied and every default filled in, as YAML: "
+                                   "what `megatron-gspo train CONFIG [key=value ...]` would run. --reference prints "
+                                   "every key with its type, default and meaning (docs/config.md).")
+    p.add_argument("config", nargs="?", help="YAML config (none: the defaults)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
+    p.add_argument("--reference", action="store_true", help="print the configuration reference (Markdown)")
+    p.set_defaults(func=run_config)
+
+
+def run_config(args) -> int:
+    import yaml
+
+    if args.reference:
+        from megatron_gspo.config_reference import reference_markdown
+        print(reference_markdown(), end="")
+        return 0
+    from megatron_gspo.config import load_config, to_dict
+    print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")
+    return 0
+
+
 def _make_data_parser(sub) -> None:
     p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
     p.add_argument("task", choices=("arithmetic", "long_addition"),
@@ -333,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     add_score_parser(sub)
     _make_data_parser(sub)
     _eval_parser(sub)
+    _config_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
