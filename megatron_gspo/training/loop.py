@@ -47,6 +47,7 @@ from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo import profiling
 from megatron_gspo.loss.advantages import group_advantages
 from megatron_gspo.parallel.groups import init_megatron
+from megatron_gspo.platform.quiet import FALLBACK_NOTE, fallbacks_in_use
 from megatron_gspo.rollout.backend import open_backend
 from megatron_gspo.rollout.sglang.backend import start_sglang
 from megatron_gspo.rewards.pool import RewardPool
@@ -71,6 +72,8 @@ def train(config: TrainConfig) -> None:
         # SGLang servers to launch start first (rank 0): their start-up overlaps Megatron's below.
         started = None
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # torchrun's
+        if rank == 0 and fallbacks_in_use():
+            print(FALLBACK_NOTE, flush=True)  # in place of Megatron-Core's six warnings per rank (platform/quiet.py)
         if config.rollout.backend == "sglang" and not config.rollout.server_urls and rank == 0:
             started = start_sglang(config)
             stack.callback(stop_all, started)  # also if anything below fails before the backend owns them
