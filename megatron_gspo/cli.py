@@ -258,7 +258,8 @@ def _tiny_model_parser(sub) -> None:
                    "long_addition: the worked lines with random digits; megatron_gspo/dev/warm_start.py)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
-                   "Qwen3: for rollout.backend=megatron (SGLang on CPU cannot serve MoE)")
+                   "Qwen3 (examples/tiny_moe_cpu.yaml): SGLang serves it on CPU in float32 with transformers' "
+                   "log-probs and routing, and the in-process sampler (rollout.backend=megatron) runs it too")
     p.set_defaults(func=run_tiny_model)
 
 

@@ -190,8 +190,8 @@ class GSPOConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     backend: Literal["sglang", "megatron"] = "sglang"
-    """sglang: SGLang servers; megatron: in-process generation by the trained model (MoE on CPU,
-    colocated small runs)."""
+    """sglang: SGLang servers; megatron: in-process generation by the trained model on every process (no
+    server: colocated small runs)."""
     server_urls: tuple[str, ...] = ()
     """Running SGLang servers or router (http://host:port); empty: launch num_servers locally."""
     num_servers: int = 1

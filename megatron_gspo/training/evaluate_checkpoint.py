@@ -8,7 +8,6 @@ latest_checkpointed_iteration.txt, or one iter_* directory); the latter is conve
 converter into a temporary HF directory (model.hf_path gives its config and tokenizer). The responses come
 from SGLang servers launched on it (the SGLang backend's settings; rollout.server_urls are not used: they
 serve other weights), are scored by the run's reward pool and reported as in training (evaluation.py).
-SGLang on CPU cannot serve Qwen3-MoE (PLATFORM.md), so on CPU this evaluates dense models only.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ def test_the_first_failing_ranks_exception_is_the_last_line(tmp_path):
     (tmp_path / "tmp").mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_moe_cpu.yaml"),
-         f"model.hf_path={tmp_path / 'hf'}", "parallel.ep=1", f"logging.run_dir={tmp_path / 'run'}",
+         "rollout.backend=megatron", f"model.hf_path={tmp_path / 'hf'}", "parallel.ep=1",
+         f"logging.run_dir={tmp_path / 'run'}",
          f"checkpoint.dir={tmp_path / 'run' / 'ckpt'}", f"data.train={train}", f"eval.datasets.held_out={test}",
          "reward.fn=tests.distributed.workers.fails_on_rank_1:score"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")},

@@ -1,5 +1,5 @@
-"""Routed experts from a real SGLang server on a GPU (SGLang's CPU backend gives NaN logits for Qwen3-MoE,
-README "Qwen3-MoE on CPU", so this needs CUDA): a tiny Qwen3-MoE served with
+"""Routed experts from a real SGLang server on a GPU (the CUDA kernels' routing; the CPU tier checks SGLang's
+native-torch one: tests/sglang/test_sglang_moe_cpu.py): a tiny Qwen3-MoE served with
 --enable-return-routed-experts; every sample's array has P + R - 1 positions of [L, k] distinct expert ids,
 and they are the experts the Hugging Face model's own routers pick for the same tokens at the same
 positions (an off-by-one in the positions would match only by chance).

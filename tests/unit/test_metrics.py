@@ -3,6 +3,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from megatron_gspo.rollout.batch_filling import response_length_metrics
 from megatron_gspo.training.metrics import LEGACY_NAMES, NAMESPACES, MetricsLogger, plot, read_metrics
@@ -76,6 +77,15 @@ def test_a_metric_outside_the_namespaces_is_refused(tmp_path):
         with pytest.raises(KeyError, match="outside the namespaces .*'made_up'"):
             log.log(1, {"reward/mean": 1.0, "made_up": 2.0})
         log.log(1, {"rollout_step": 1, "moe/routing_changed_fraction/layer_07": 0.1})
+
+
+def test_the_mismatch_metrics_are_in_a_namespace(tmp_path):
+    """Every recompute with the sampler's log-probs logs them (training/old_logprobs.py:set_old_logprobs)."""
+    from megatron_gspo.loss.correction import MISMATCH_SUMS, mismatch_metrics
+
+    metrics = mismatch_metrics(torch.ones(len(MISMATCH_SUMS), dtype=torch.float64))
+    with MetricsLogger(tmp_path) as log:
+        log.log(1, {"rollout_step": 1, **metrics})
 
 
 def test_legacy_names_map_to_distinct_namespaced_ones():

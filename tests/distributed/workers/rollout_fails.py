@@ -36,7 +36,8 @@ def main():
     workdir, hf_dir = Path(sys.argv[1]), sys.argv[2]
     data = REPO / "examples" / "data" / "arithmetic"
     overrides = [
-        f"model.hf_path={hf_dir}", f"logging.run_dir={workdir / 'run'}", f"checkpoint.dir={workdir / 'run' / 'ckpt'}",
+        "rollout.backend=megatron", f"model.hf_path={hf_dir}", f"logging.run_dir={workdir / 'run'}",
+        f"checkpoint.dir={workdir / 'run' / 'ckpt'}",
         "checkpoint.async_save=true", "checkpoint.interval=1", "num_steps=4", "eval.interval=0",
         "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
         f"data.train={data / 'train.jsonl'}", f"eval.datasets.held_out={data / 'test.jsonl'}",
