@@ -41,7 +41,7 @@ def main():
         "checkpoint.async_save=true", "checkpoint.interval=1", "num_steps=4", "eval.interval=0",
         "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
         f"data.train={data / 'train.jsonl'}", f"eval.datasets.held_out={data / 'test.jsonl'}",
-        "reward.fn=tests.distributed.workers.reward_breaks_at_step_3:score", "reward.workers=0"]
+        "reward.fn=tests.distributed.workers.reward_breaks_at_step_3:score", "reward.workers=1"]
     config = load_config(REPO / "examples" / "tiny_moe_cpu.yaml", overrides)
     with check("every rank raises RolloutFailed with rank 0's message"):
         try:
