@@ -29,6 +29,7 @@ from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec, decode_routed_experts
 from megatron_gspo.rollout.sglang.server import ServerConfig, cpu_plugin, launch_servers
 from megatron_gspo.samples import Prompt
+from tests.tiny_hf import hf_routing
 
 pytestmark = pytest.mark.sglang
 REPO = Path(__file__).resolve().parents[2]
@@ -117,24 +118,6 @@ def test_logprobs_equal_transformers_float32(moe_server, hf_moe, moe_tokenizer, 
     assert prompt_delta.max() < LOGPROB_TOLERANCE and response_delta.max() < LOGPROB_TOLERANCE
 
 
-def hf_routing(model, token_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The experts transformers' routers pick for each position and layer ([T, L, k], sorted per row), and
-    where the k-th and (k+1)-th router logits are within ROUTER_TIE ([T, L]: either pick is right)."""
-    outputs = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: outputs.append(out))
-             for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([token_ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    k = SPEC.num_experts_per_tok
-    picks = torch.stack([indices for _, _, indices in outputs], dim=1)
-    top = torch.stack([logits for logits, _, _ in outputs], dim=1).topk(k + 1, dim=-1).values
-    return np.sort(picks.numpy(), axis=-1), (top[..., k - 1] - top[..., k] < ROUTER_TIE).numpy()
-
-
 def test_routed_experts_are_transformers_top_k(moe_server, moe_dir, hf_moe, moe_tokenizer):
     """meta_info.routed_experts ([P + R - 1, L, k], rollout/routed_experts.py) holds, at every input
     position and layer, the expert set transformers routes that token to; the same array read one
@@ -150,7 +133,7 @@ def test_routed_experts_are_transformers_top_k(moe_server, moe_dir, hf_moe, moe_
         prompt, response = prompts[i // 2], answer["output_ids"]
         served = np.sort(decode_routed_experts(answer["meta_info"]["routed_experts"], prompt_len=len(prompt),
                                                response_len=len(response), spec=spec), axis=-1)
-        expected, tie = hf_routing(hf_moe, prompt + response[:-1])  # the last response token is never fed back
+        expected, tie = hf_routing(hf_moe, prompt + response[:-1], ROUTER_TIE)  # the last response token: never fed back
         assert served.shape == expected.shape == (len(prompt) + len(response) - 1, SPEC.num_layers, 2)
         aligned.append((served == expected).all(-1) | tie)
         shifted.append((served[1:] == expected[:-1]).all(-1) | tie[:-1])
