@@ -132,9 +132,7 @@ def _train_parser(sub) -> None:
 
 def run_train(args) -> int:
     from megatron_gspo.config import load_config
-    from megatron_gspo.net import free_port
-    from megatron_gspo.training.launch import run_torchrun
-    from megatron_gspo.training.preflight import nothing_to_do, preflight
+    from megatron_gspo.training.run_lock import HELD_BY_LAUNCHER_ENV, lock_run
 
     config = load_config(args.config, args.overrides)  # clear errors before anything starts
     world = config.parallel.world_size
@@ -151,6 +149,21 @@ def run_train(args) -> int:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, {args.nnodes})")
     if args.nnodes > 1 and args.master_port is None:
         raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
+    # One run per run directory: node rank 0 holds the lock until it exits (the other nodes share its file system),
+    # and a second trainer is refused here at once, before the slow imports and preflight of _launch.
+    if args.node_rank != 0:
+        return _launch(config, args, ranks_env={})
+    with lock_run(config):
+        return _launch(config, args, ranks_env={HELD_BY_LAUNCHER_ENV: str(os.getpid())})
+
+
+def _launch(config, args, ranks_env: dict[str, str]) -> int:
+    """`train` after the checks: nothing to do, or preflight, then torchrun with `ranks_env` in its ranks."""
+    from megatron_gspo.net import free_port
+    from megatron_gspo.training.launch import run_torchrun
+    from megatron_gspo.training.preflight import nothing_to_do, preflight
+
+    world = config.parallel.world_size
     done = nothing_to_do(config)
     if done:
         print(f"megatron-gspo train: {done}")
@@ -163,7 +176,7 @@ def run_train(args) -> int:
     return run_torchrun(["--nproc-per-node", str(world // args.nnodes), "--nnodes", str(args.nnodes),
                          "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
                          "--master-port", str(args.master_port or free_port()),
-                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides])
+                         "-m", "megatron_gspo.training.loop", args.config, *args.overrides], env=ranks_env)
 
 
 def _serve_parser(sub) -> None:
@@ -199,7 +212,8 @@ def run_serve(args) -> int:
     python = args.sglang_python or default_sglang_python()
     log_dir = args.log_dir or str(Path(config.logging.run_dir, "sglang_logs", socket.gethostname()))
     server = ServerConfig(model_path=config.model.hf_path, settings=config.rollout, device=args.device,
-                          dtype=config.model.dtype, python=shutil.which(python) or python, host=args.host,
+                          dtype=config.rollout.server_dtype or config.model.dtype, python=shutil.which(python) or python,
+                          host=args.host,
                           weight_version="0", return_routed_experts=config.gspo.routing_replay == "rollout",
                           log_dir=log_dir, extra_args=tuple(shlex.split(args.sglang_args)))
     return serve(server, args.port)
@@ -246,7 +260,8 @@ def _tiny_model_parser(sub) -> None:
                    "the model with the tool demo's tokenizer (dev/tiny_model.py TinyQwen3Spec.tools)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
-                   "Qwen3: for rollout.backend=megatron (SGLang on CPU cannot serve MoE)")
+                   "Qwen3 (examples/tiny_moe_cpu.yaml): SGLang serves it on CPU in float32 with transformers' "
+                   "log-probs and routing, and the in-process sampler (rollout.backend=megatron) runs it too")
     p.set_defaults(func=run_tiny_model)
 
 
@@ -295,6 +310,29 @@ def run_eval(args) -> int:
     return 0
 
 
+def _config_parser(sub) -> None:
+    p = sub.add_parser("config", help="print the resolved configuration (what `train` would run), or the reference",
+                       description="Print CONFIG with the overrides applied and every default filled in, as YAML: "
+                                   "what `megatron-gspo train CONFIG [key=value ...]` would run. --reference prints "
+                                   "every key with its type, default and meaning (docs/config.md).")
+    p.add_argument("config", nargs="?", help="YAML config (none: the defaults)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. num_steps=10")
+    p.add_argument("--reference", action="store_true", help="print the configuration reference (Markdown)")
+    p.set_defaults(func=run_config)
+
+
+def run_config(args) -> int:
+    import yaml
+
+    if args.reference:
+        from megatron_gspo.config_reference import reference_markdown
+        print(reference_markdown(), end="")
+        return 0
+    from megatron_gspo.config import load_config, to_dict
+    print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")
+    return 0
+
+
 def _make_data_parser(sub) -> None:
     p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
     p.add_argument("task", choices=("arithmetic", "long_addition", "multiplication"),
@@ -330,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     add_score_parser(sub)
     _make_data_parser(sub)
     _eval_parser(sub)
+    _config_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -190,8 +190,8 @@ class GSPOConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     backend: Literal["sglang", "megatron"] = "sglang"
-    """sglang: SGLang servers; megatron: in-process generation by the trained model (MoE on CPU,
-    colocated small runs)."""
+    """sglang: SGLang servers; megatron: in-process generation by the trained model on every process (no
+    server: colocated small runs)."""
     server_urls: tuple[str, ...] = ()
     """Running SGLang servers or router (http://host:port); empty: launch num_servers locally."""
     num_servers: int = 1
@@ -234,6 +234,9 @@ class RolloutConfig:
     server_args: tuple[str, ...] = ()
     """Further `sglang.launch_server` arguments for the servers this run launches (and `megatron-gspo
     serve`), verbatim, e.g. `rollout.server_args=[--mem-fraction-static,0.8]`."""
+    server_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The launched servers' weights/activations dtype (`--dtype`); None: model.dtype, the trainer's. bfloat16
+    with a float32 trainer makes the train-inference mismatch a bf16 sampler brings (correction.*)."""
     max_total_tokens: int | None = None
     """KV-cache size of each launched server, in tokens (`--max-total-tokens`). None: SGLang's own on CUDA,
     16384 on CPU (where SGLang's own would take ~70% of the machine's memory)."""
@@ -457,11 +460,12 @@ class RewardConfig:
     this outcome reward attaches to the last model turn (docs/agents.md)."""
     workers: int = 2
     """Worker processes scoring in parallel (a hung or crashed one is killed and replaced). 0: score in the
-    trainer's rollout thread, no process: for cheap, trusted functions such as exact_match (no time limit;
-    a crash or a hang of the function is the trainer's)."""
+    trainer's rollout thread, no process, no time limit: only for the built-ins known to finish quickly
+    (exact_match, final_answer; refused before the run starts for math and user functions)."""
     timeout_s: float = 10.0
-    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout
-    (not enforced with workers=0)."""
+    """Longest a single sample may take to score; past it the sample scores 0 and counts as a timeout. The
+    first 2 x max(workers, 1) samples of the run all failing (timeouts or errors) stops the run
+    (rewards/pool.py)."""
     truncated: Literal["keep", "zero"] = "keep"
     """Responses cut by max_new_tokens (finish reason "length"): scored as they are, or 0."""
 
@@ -552,9 +556,12 @@ class CheckpointConfig:
     """Write checkpoints in the background (Megatron-Core's async save): the step waits only for the
     small files and the planning; a forked process writes the tensors from a copy-on-write snapshot
     (memory: up to one more copy of the pages training changes meanwhile), and the checkpoint becomes
-    the latest once every rank has written it (checked each step, one small all-reduce). A crash before
-    then resumes from the previous checkpoint. The run's end and a stop signal wait for it. Tested on
-    CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path not yet run here."""
+    the latest once every rank has written it (checked each step, one small all-reduce). The run's end, a
+    stop signal and a failure of rank 0's rollout, reward function or weight push (raised on every rank)
+    wait for it and publish it; a crash of one rank or a kill before then resumes from the previous
+    checkpoint, unless the save was complete (verified at the next start, then published; else removed).
+    Tested on CPU (gloo); on GPU Megatron first copies the tensors to host memory, a path not yet run
+    here."""
     export_hf: str | None = None
     """When the run completes, the final checkpoint converted to a Hugging Face model in this directory
     (the checkpoint tools' mcore->hf conversion; config and tokenizer files from model.hf_path). An

@@ -77,7 +77,8 @@ async def evaluate(generate: Generate, datasets: Mapping[str, Sequence[Prompt]],
     start = time.perf_counter()
     metrics: dict[str, float] = {}
     for name, prompts in datasets.items():
-        groups, _ = await generate(list(prompts), n=k, sampling=sampling, on_group=scorer.submit)
+        generation = generate(list(prompts), n=k, sampling=sampling, on_group=scorer.submit)
+        groups, _ = await scorer.stop_on_failure(generation)  # a reward function the pool gives up on stops it
         await scorer.score(groups)
         metrics.update(eval_metrics(name, groups, k))
     metrics["eval/time_s"] = time.perf_counter() - start

@@ -3,6 +3,9 @@
 # Idempotent: a stamp file records what was installed, so a second run costs about a second.
 # GPU clusters do not use this script: see README.md ("On GPU clusters").
 set -euo pipefail
+# pip, quiet, without the "Location '...' is ignored" lines a machine's pip config with missing find-links
+# directories prints for every package (they are not about this project); its real warnings and errors pass.
+pip_install() { "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2); }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=$root/.venv
@@ -30,8 +33,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python
   exit 0
 fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "${requirements[@]}"
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
+pip_install --upgrade pip
+pip_install "${requirements[@]}"
+pip_install --no-deps --no-build-isolation -e .
 printf '%s' "$stamp_text" > "$stamp"
 echo "setup: .venv ready ($("$venv/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"

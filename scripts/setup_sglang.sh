@@ -5,6 +5,9 @@
 # Idempotent: a stamp file records what was installed, so a second run costs about a second.
 # GPU clusters do not use this script: they run stock SGLang (its CUDA build, real sgl_kernel).
 set -euo pipefail
+# pip, quiet, without the "Location '...' is ignored" lines a machine's pip config with missing find-links
+# directories prints for every package (they are not about this project); its real warnings and errors pass.
+pip_install() { "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2); }
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=${SGLANG_VENV:-$root/.venv-sglang}
@@ -33,9 +36,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python
 fi
 start=$SECONDS
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "$torch_req"
-"$venv/bin/python" -m pip install -q --no-deps "$sglang_req"
-"$venv/bin/python" -m pip install -q "$torch_req" "${deps[@]}"
+pip_install --upgrade pip
+pip_install "$torch_req"
+pip_install --no-deps "$sglang_req"
+pip_install "$torch_req" "${deps[@]}"
 printf '%s' "$stamp_text" > "$stamp"
 echo "setup_sglang: $venv ready in $((SECONDS - start)) s ($("$venv/bin/python" -c 'import importlib.metadata as m; print("sglang", m.version("sglang"), "torch", m.version("torch"))'))"

@@ -77,3 +77,24 @@ def fake_hf_dir(directory: Path) -> Path:
     tiny_qwen3_config(TinyQwen3Spec(), architectures=["Qwen3ForCausalLM"]).to_json_file(directory / "config.json")
     make_tiny_tokenizer().save_pretrained(directory)
     return directory
+
+
+def hf_routing(model, token_ids: list[int], tie: float = 1e-4) -> tuple:
+    """The experts a transformers Qwen3-MoE's routers pick for each position and layer ([T, L, k] numpy,
+    sorted per row), and where the k-th and (k+1)-th router logits are within `tie` ([T, L]: either pick is
+    right), from one forward of `token_ids`."""
+    import numpy as np
+
+    outputs = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: outputs.append(out))
+             for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    k = model.config.num_experts_per_tok
+    picks = torch.stack([indices for _, _, indices in outputs], dim=1)
+    top = torch.stack([logits for logits, _, _ in outputs], dim=1).topk(k + 1, dim=-1).values
+    return np.sort(picks.numpy(), axis=-1), (top[..., k - 1] - top[..., k] < tie).numpy()

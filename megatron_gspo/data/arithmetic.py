@@ -5,10 +5,9 @@ files, so held-out accuracy measures generalisation to unseen pairs, not recall.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import write_split
+from megatron_gspo.data.splits import write_shuffled_split
 
 PAIRS = tuple((a, b) for a in range(10) for b in range(10 - a))
 """The 55 (a, b) with a + b <= 9."""
@@ -25,9 +24,4 @@ def write_arithmetic_data(out_dir: str | Path, *, seed: int = 0, test_pairs: int
     The same seed gives byte-identical files. Each file is written under a temporary name and renamed,
     so a reader never sees half a file. Returns (train path, test path).
     """
-    if not 0 < test_pairs < len(PAIRS):
-        raise ValueError(f"test_pairs must be in [1, {len(PAIRS) - 1}], got {test_pairs}")
-    pairs = list(PAIRS)
-    random.Random(seed).shuffle(pairs)
-    return write_split(out_dir, [arithmetic_row(a, b) for a, b in pairs[test_pairs:]],
-                       [arithmetic_row(a, b) for a, b in pairs[:test_pairs]])
+    return write_shuffled_split(out_dir, PAIRS, arithmetic_row, test_count=test_pairs, seed=seed, what="test_pairs")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import write_split
+from megatron_gspo.data.splits import write_shuffled_split
 
 PROBLEMS = tuple((a, b) for a in range(10, 100) for b in range(10, 100 - a))
 """The 3240 (a, b) with 10 <= a, b and a + b <= 99."""
@@ -73,9 +73,4 @@ def write_long_addition_data(out_dir: str | Path, *, seed: int = 0, test_problem
     The same seed gives byte-identical files; files are written under a temporary name and renamed.
     Returns (train path, test path).
     """
-    if not 0 < test_problems < len(PROBLEMS):
-        raise ValueError(f"test_problems must be in [1, {len(PROBLEMS) - 1}], got {test_problems}")
-    problems = list(PROBLEMS)
-    random.Random(seed).shuffle(problems)
-    return write_split(out_dir, [long_addition_row(a, b) for a, b in problems[test_problems:]],
-                       [long_addition_row(a, b) for a, b in problems[:test_problems]])
+    return write_shuffled_split(out_dir, PROBLEMS, long_addition_row, test_count=test_problems, seed=seed, what="test_problems")

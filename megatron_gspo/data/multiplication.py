@@ -19,7 +19,7 @@ import ast
 import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import write_split
+from megatron_gspo.data.splits import write_shuffled_split
 
 OPERANDS = (13, 27, 48, 76, 125, 250)
 """The operands: 2-3 digit numbers, each a single token of the tiny tokenizer."""
@@ -81,12 +81,8 @@ def call_text(expression: str) -> str:
 def write_multiplication_data(out_dir: str | Path, *, seed: int = 0, test_pairs: int = 6) -> tuple[Path, Path]:
     """Write train.jsonl (36 - test_pairs rows) and test.jsonl (test_pairs rows) into `out_dir`; the same seed
     gives byte-identical files. Returns (train path, test path)."""
-    if not 0 < test_pairs < len(PAIRS):
-        raise ValueError(f"test_pairs must be in [1, {len(PAIRS) - 1}], got {test_pairs}")
-    pairs = list(PAIRS)
-    random.Random(seed).shuffle(pairs)
-    return write_split(out_dir, [multiplication_row(a, b) for a, b in pairs[test_pairs:]],
-                       [multiplication_row(a, b) for a, b in pairs[:test_pairs]])
+    return write_shuffled_split(out_dir, PAIRS, multiplication_row, test_count=test_pairs, seed=seed,
+                                what="test_pairs")
 
 
 def tool_corpus(num_lines: int, seed: int) -> list[str]:

@@ -1,10 +1,11 @@
-"""Writing a task's train/test prompt files (the demo tasks: arithmetic.py, long_addition.py)."""
+"""Writing a task's train/test prompt files (the demo tasks: arithmetic.py, long_addition.py, multiplication.py)."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+import random
+from typing import Callable, Iterable, Sequence
 
 
 def write_split(out_dir: str | Path, train_rows: Iterable[dict], test_rows: Iterable[dict]) -> tuple[Path, Path]:
@@ -20,3 +21,15 @@ def write_split(out_dir: str | Path, train_rows: Iterable[dict], test_rows: Iter
         tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
         os.replace(tmp, path)
     return paths
+
+
+def write_shuffled_split(out_dir: str | Path, items: Sequence, row: Callable[..., dict], *, test_count: int,
+                         seed: int, what: str) -> tuple[Path, Path]:
+    """`items` shuffled once by `seed`, the first `test_count` to test.jsonl and the rest to train.jsonl, each
+    as `row(*item)` (write_split). The same seed gives byte-identical files. `what` names the count in errors."""
+    if not 0 < test_count < len(items):
+        raise ValueError(f"{what} must be in [1, {len(items) - 1}], got {test_count}")
+    shuffled = list(items)
+    random.Random(seed).shuffle(shuffled)
+    return write_split(out_dir, [row(*item) for item in shuffled[test_count:]],
+                       [row(*item) for item in shuffled[:test_count]])

@@ -1,10 +1,11 @@
-"""A tiny dense Qwen3 and its tokenizer, made locally (no model hub) for CPU rollout tests and demos.
+"""A tiny Qwen3 (dense or MoE) and its tokenizer, made locally (no model hub) for CPU rollout tests and demos.
 
 The model is randomly initialised from a fixed seed; the tokenizer is a byte-level BPE trained on a
 synthetic arithmetic corpus ("12+7=19"). Both are written as a Hugging Face model directory that
 SGLang (`--model-path DIR`) and transformers (`AutoModelForCausalLM`, `AutoTokenizer`) load.
-Dense by default: SGLang 0.5.23's CPU backend gives NaN logits for Qwen3-MoE (README.md, "Qwen3-MoE on CPU").
-`num_experts > 0` makes a Qwen3-MoE instead, for the in-process Megatron rollout backend.
+Dense by default; `num_experts > 0` makes a Qwen3-MoE instead, which SGLang 0.5.23 also serves on CPU (in
+float32 its log-probs and routed experts equal transformers': tests/sglang/test_sglang_moe_cpu.py), as does the
+in-process Megatron rollout backend.
 """
 from __future__ import annotations
 

@@ -30,6 +30,14 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 # How each raw metric combines across micro-batches and ranks (everything else is summed).
 METRIC_REDUCTIONS: dict[str, str] = {"ratio_min": "min", "ratio_max": "max"}
 
+LENGTH_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 16), (16, 64), (64, 256), (256, None))
+"""Response-length buckets [low, high) of |y_i| for the ratio spreads by length (GSPO's case: token ratios
+get noisier as responses grow, the sequence ratio averages them)."""
+
+
+def _bucket_name(low: int, high: int | None) -> str:
+    return f"len_{low}-{high - 1}" if high is not None else f"len_{low}+"
+
 
 class _Sequences(NamedTuple):
     """Per-token and per-sequence views of one packed batch, after masking and the CP reduction."""
@@ -271,7 +279,22 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
         "log_ratio_token_sq_sum": torch.where(seqs.mask_T, log_w.square(), 0).sum().double(),
         "log_ratio_seq_sum": torch.where(own, log_s, 0).sum().double(),
         "log_ratio_seq_sq_sum": torch.where(own, log_s.square(), 0).sum().double(),
+        **_spreads_by_length(seqs, own, log_w, log_s),
     }
+
+
+def _spreads_by_length(seqs: _Sequences, own, log_w, log_s) -> dict[str, torch.Tensor]:
+    """The same sums per response-length bucket (LENGTH_BUCKETS; |y_i| over all CP ranks)."""
+    out = {}
+    for low, high in LENGTH_BUCKETS:
+        in_S = (seqs.count_S >= low) & ((seqs.count_S < high) if high is not None else True)
+        seq_in, tok_in = own & in_S, seqs.mask_T & in_S[seqs.seq_T]
+        name = _bucket_name(low, high)
+        out.update({f"{name}_seqs": seq_in.sum().double(), f"{name}_log_s_sum": torch.where(seq_in, log_s, 0).sum(),
+                    f"{name}_log_s_sq_sum": torch.where(seq_in, log_s.square(), 0).sum(),
+                    f"{name}_tokens": tok_in.sum().double(), f"{name}_log_w_sum": torch.where(tok_in, log_w, 0).sum(),
+                    f"{name}_log_w_sq_sum": torch.where(tok_in, log_w.square(), 0).sum()})
+    return out
 
 
 def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -293,7 +316,19 @@ def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
         "loss/sequences_nonfinite": get("sequences_nonfinite"),
         "train/response_tokens": get("tokens"),
         **({"train/entropy": get("entropy_token_sum") / tokens} if "entropy_token_sum" in raw else {}),
+        **{metric: value for low, high in LENGTH_BUCKETS for metric, value in _bucket_spreads(raw, low, high).items()},
     }
+
+
+def _bucket_spreads(raw, low: int, high: int | None) -> dict[str, float]:
+    """loss/log_ratio_{token,seq}_std/len_A-B and the bucket's sequence count, where it has sequences."""
+    name = _bucket_name(low, high)
+    if f"{name}_seqs" not in raw or float(raw[f"{name}_seqs"]) < 1:
+        return {}
+    get = lambda k: float(raw[f"{name}_{k}"])  # noqa: E731
+    return {f"loss/sequences/{name}": get("seqs"),
+            f"loss/log_ratio_token_std/{name}": _std(get("log_w_sum"), get("log_w_sq_sum"), get("tokens")),
+            f"loss/log_ratio_seq_std/{name}": _std(get("log_s_sum"), get("log_s_sq_sum"), get("seqs"))}
 
 
 def _std(total: float, sq_total: float, count: float) -> float:
@@ -305,13 +340,16 @@ def _std(total: float, sq_total: float, count: float) -> float:
 
 
 def reduce_metrics(metrics: list[dict[str, torch.Tensor]], group=None) -> dict[str, torch.Tensor]:
-    """Combine raw metrics of several micro-batches, then across `group` (None: this rank only)."""
+    """Combine raw metrics of several micro-batches, then across `group` (None: this rank only): one
+    all-reduce per kind of reduction (sum, min, max) for all the keys."""
     out: dict[str, torch.Tensor] = {}
-    for key in metrics[0]:
-        values = torch.stack([m[key] for m in metrics])
-        how = METRIC_REDUCTIONS.get(key, "sum")
-        out[key] = values.min() if how == "min" else values.max() if how == "max" else values.sum()
+    for how, op in (("sum", dist.ReduceOp.SUM), ("min", dist.ReduceOp.MIN), ("max", dist.ReduceOp.MAX)):
+        keys = [k for k in metrics[0] if METRIC_REDUCTIONS.get(k, "sum") == how]
+        if not keys:
+            continue
+        values = torch.stack([torch.stack([m[k].double() for k in keys]) for m in metrics])  # [micro-batch, key]
+        combined = values.min(0).values if how == "min" else values.max(0).values if how == "max" else values.sum(0)
         if group is not None and dist.get_world_size(group) > 1:
-            op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}.get(how, dist.ReduceOp.SUM)
-            dist.all_reduce(out[key], op=op, group=group)
+            dist.all_reduce(combined, op=op, group=group)
+        out.update(zip(keys, combined.unbind()))
     return out

@@ -14,7 +14,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_gspo.config import ParallelConfig
-from megatron_gspo.platform import apply_cpu_patches, cpu_patches_needed
+from megatron_gspo.platform.cpu import apply_cpu_patches, cpu_patches_needed
 
 
 def init_megatron(layout: ParallelConfig, *, seed: int = 1234) -> ProcessGroupCollection:

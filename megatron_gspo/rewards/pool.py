@@ -19,11 +19,23 @@ What can go wrong with a sample, and what it costs:
 - the worker dies (os._exit, a segfault): Score(0, "error", "worker died (exit code N)"), replaced.
 
 `workers=0` scores in the calling thread instead: no process, no pickling, no pipe (~0.3 ms for 256
-exact_match samples against ~15 ms through two workers, measured here), and no protection: no time limit,
-and a crash or a hang of the function is the trainer's. For cheap, trusted functions (exact_match).
+exact_match samples against ~15 ms through two workers, measured here), and no time limit, which
+cannot be enforced in the caller's thread. So it is refused except for the built-ins whose time is
+bounded by the response's length (verifiers.BOUNDED: exact_match, final_answer, none); "math" can hang.
 
-`check_batch` turns a batch where most samples failed into a RewardError: a broken reward function
-should stop the run, while an occasional hostile response should only cost its own reward.
+A broken function stops the run, while an occasional hostile response only costs its own reward:
+- the pool gives up when the first 2 x max(workers, 1) samples it scores (in the order they finish) all
+  fail (time out or error; "unparsed" is a reward, not a failure). Two per worker, so that it takes two timeouts in a row on every
+  worker (~2 x timeout_s) rather than one unlucky response; a single success disarms the rule for the
+  pool's life, so a hostile response later in the run never stops it. Giving up is at once and final:
+  the queued samples are never run, the running ones are killed, and every unresolved Future, and every
+  Future submitted from then on, raises the RewardError (`failure`) naming the function, the count and
+  one failing sample. (A malformed reference answer on the very first prompt looks the same: every
+  sample of its group errors. The message shows the sample, so that is found too.) The give-up is the
+  WorkerPool's (`judge`, `failure`), the rule the RewardPool's; the tools' pool has no such rule (a tool's
+  failure is a message to the model).
+- `check_batch` turns a batch where most samples failed into a RewardError (a function that breaks
+  later in the run, or on most but not all responses).
 """
 from __future__ import annotations
 
@@ -41,11 +53,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from megatron_gspo.platform.lifetime import parent_death_preexec
+from megatron_gspo.rewards.verifiers import BOUNDED, load_reward_fn
 from megatron_gspo.rewards.worker import _LENGTH, score_one, write_message
 from megatron_gspo.samples import Sample
 
 REWARD_HANDLER = "megatron_gspo.rewards.worker:reward_handler"
 
+FIRST_FAILURES_PER_WORKER = 2
+"""The pool gives up when its first FIRST_FAILURES_PER_WORKER x max(workers, 1) samples all fail."""
 STARTUP_TIMEOUT_S = 60.0
 """A worker must load the reward function and answer the handshake within this time."""
 EXIT_GRACE_S = 2.0
@@ -53,7 +69,8 @@ EXIT_GRACE_S = 2.0
 
 
 class RewardError(RuntimeError):
-    """The reward function cannot be loaded, or failed on most of a batch; the message says which."""
+    """The reward function cannot be loaded, failed on the first samples of the run or on most of a batch;
+    the message says which."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,7 @@ class _WorkerDied(Exception):
     """The worker's stdout closed (it exited or crashed)."""
 
 
+
 class _Worker:
     """One worker process and its pipes."""
 
@@ -84,8 +102,10 @@ class _Worker:
         # path the parent added to sys.path, e.g. a test directory).
         paths = [p or os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # SIGKILLed by the kernel when the thread that starts it ends (the trainer killed: platform/lifetime.py)
         self.proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.rewards.worker", *argv],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+                                     preexec_fn=parent_death_preexec())
         self._fd = self.proc.stdout.fileno()
 
     def handshake(self) -> None:
@@ -122,6 +142,11 @@ class _Worker:
             chunks.append(chunk)
             got += len(chunk)
         return b"".join(chunks)
+
+    @property
+    def lost(self) -> bool:
+        """The process has exited (killed past its deadline, or died)."""
+        return self.proc.poll() is not None
 
     def exit_description(self) -> str:
         code = self.proc.wait()
@@ -160,6 +185,9 @@ class _Worker:
 
 _STOP = object()
 
+Judge = Callable[[Any, Any], "Exception | None"]
+"""(request, result) -> an exception when the pool must give up now, else None; called under the pool's lock."""
+
 
 class WorkerPool:
     """Answers requests with a handler in `workers` processes, `timeout_s` per request (module docstring).
@@ -167,23 +195,30 @@ class WorkerPool:
     Construction starts the workers and raises `error` (naming `what`) if the handler cannot be loaded.
     `submit` is thread-safe and returns at once; each future holds `result(status, payload)` of the reply:
     the handler's own, ("timeout", detail) past the time limit, or ("died", detail) when the worker died.
-    Use as a context manager or call `close()` (idempotent): it stops every worker process.
+    `judge` (optional) sees each result as it is resolved; when it returns an exception the pool gives up
+    (`failure`, module doc): queued requests are never run, running ones are killed, and every unresolved
+    and later Future raises it. Use as a context manager or call `close()` (idempotent): it stops every
+    worker process.
     """
 
     def __init__(self, handler: str, args: Sequence[str], *, what: str, workers: int = 2, timeout_s: float = 10.0,
                  result: Callable[[str, Any], Any] = lambda status, payload: (status, payload),
-                 error: type[Exception] = RuntimeError):
+                 error: type[Exception] = RuntimeError, judge: Judge | None = None):
         if workers < 1:
             raise ValueError(f"{what}: workers must be >= 1, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"{what}: timeout_s must be > 0, got {timeout_s}")
         self.what, self.timeout_s, self._argv, self._error = what, timeout_s, [handler, *args], error
-        self._result = result
+        self._result, self._judge = result, judge
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
         self.replacements = 0
         """How many workers were killed or died and were replaced (for metrics and tests)."""
+        self.failure: Exception | None = None
+        """Set when the pool has given up (`judge`, or a replacement worker that cannot start); final."""
+        self._running: list[concurrent.futures.Future | None] = [None] * workers
+        """The Future each worker is answering (killed when the pool gives up)."""
         started = [_Worker(self._argv, what, error) for _ in range(workers)]  # start together, then wait
         try:
             for w in started:
@@ -199,15 +234,16 @@ class WorkerPool:
             t.start()
 
     def submit(self, requests: Sequence) -> list[concurrent.futures.Future]:
-        """Queue the requests; one Future per request, in order."""
-        futures = []
+        """Queue the requests; one Future per request, in order (raising `failure` once given up)."""
+        futures = [concurrent.futures.Future() for _ in requests]
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.what}: the pool is closed")
-            for request in requests:
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                self._jobs.put((request, future))
-                futures.append(future)
+            if self.failure is None:
+                for job in zip(requests, futures):
+                    self._jobs.put(job)
+                return futures
+        _fail(futures, self.failure)
         return futures
 
     def worker_pids(self) -> list[int]:
@@ -242,28 +278,65 @@ class WorkerPool:
         try:
             while (item := self._jobs.get()) is not _STOP:
                 request, future = item
-                if not future.set_running_or_notify_cancel():
+                with self._lock:
+                    given_up = self.failure
+                    if given_up is None:
+                        if not future.set_running_or_notify_cancel():
+                            continue
+                        self._running[slot] = future
+                if given_up is not None:  # taken off the queue as the pool gave up
+                    _settle(future, error=given_up)
                     continue
-                try:
-                    future.set_result(self._result(*self._call_on(slot, request)))
-                except BaseException as e:  # a replacement failed to start: the pool is unusable
-                    future.set_exception(e)
+                result = self._result(*self._call_on(slot, request))
+                with self._lock:
+                    self._running[slot] = None
+                    failure = None if self.failure is not None or self._judge is None else self._judge(request, result)
+                    doomed = self._give_up(failure) if failure else []
+                _settle(future, result, failure)  # a no-op when another thread's giving up resolved it
+                _fail(doomed, failure)
+                if self._workers[slot].lost and self.failure is None:
+                    try:
+                        self._replace(slot)
+                    except Exception as e:  # no worker left in this slot: the pool is unusable
+                        with self._lock:
+                            doomed = self._give_up(e)
+                        _fail(doomed, e)
         finally:
             self._workers[slot].stop()
 
+    def _give_up(self, error: Exception) -> list[concurrent.futures.Future]:
+        """(Under the lock.) From now on every request fails with `error`: the queued ones, returned for the
+        caller to fail outside the lock (their callbacks may call back into the pool), are never run; the
+        running ones are returned too and their workers killed (their threads do not replace them)."""
+        self.failure = error
+        doomed = []
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP:  # closing: the threads still need theirs
+                self._jobs.put(_STOP)
+                break
+            doomed.append(item[1])
+        for slot, future in enumerate(self._running):
+            if future is not None:
+                self._workers[slot].proc.kill()
+                doomed.append(future)
+        return doomed
+
     def _call_on(self, slot: int, request) -> tuple[str, Any]:
+        """The reply from this slot's worker, which is killed past the deadline (and left lost)."""
         worker = self._workers[slot]
         try:
             worker.send(request)
             return worker.receive(self.timeout_s)
         except TimeoutError:
             worker.kill()
-            self._replace(slot)
             return "timeout", f"no result within {self.timeout_s:g} s (worker killed)"
         except (_WorkerDied, BrokenPipeError):
             detail = f"worker died ({worker.exit_description()})"
             worker.kill()
-            self._replace(slot)
             return "died", detail
 
     def _replace(self, slot: int) -> None:
@@ -277,8 +350,10 @@ class RewardPool:
     """Scores samples with a reward function in `workers` processes (a WorkerPool), `timeout_s` per sample,
     or with `workers=0` in the calling thread (module docstring).
 
-    Construction raises RewardError if the function cannot be loaded. `submit` is thread-safe and returns
-    at once; `score` blocks. Use as a context manager or call `close()` (idempotent).
+    Construction raises RewardError if the function cannot be loaded, ValueError for workers=0 with a
+    function not known to be bounded. `submit` is thread-safe and returns at once; `score` blocks. Once the
+    pool has given up on the function (`failure`, see the module doc), every Future it has not resolved
+    raises that RewardError. Use as a context manager or call `close()` (idempotent).
     """
 
     def __init__(self, fn_spec: str, *, workers: int = 2, timeout_s: float = 10.0):
@@ -286,17 +361,29 @@ class RewardPool:
             raise ValueError(f"reward pool: workers must be >= 0, got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"reward pool: timeout_s must be > 0, got {timeout_s}")
-        self.fn_spec, self.timeout_s = fn_spec, timeout_s
+        if workers == 0 and fn_spec not in BOUNDED:
+            raise ValueError(f"reward pool: workers=0 scores in the calling thread, where no time limit can be "
+                             f"enforced: only for {', '.join(sorted(BOUNDED))}, not {fn_spec!r} (use workers >= 1)")
+        self.fn_spec, self.workers, self.timeout_s = fn_spec, workers, timeout_s
         self._inline, self._pool, self._closed = None, None, False
+        self._lock = threading.Lock()
+        self._inline_failure: RewardError | None = None
+        self._first_failures: list[tuple[Sample, Score]] | None = []
+        """The failures since the start, while every sample has failed; None after the first success."""
+        self._give_up_after = FIRST_FAILURES_PER_WORKER * max(workers, 1)
         if workers == 0:  # in this process (see the module docstring)
-            from megatron_gspo.rewards.verifiers import load_reward_fn  # math-verify: imported when needed
             try:
                 self._inline = load_reward_fn(fn_spec)
             except Exception as e:
                 raise RewardError(f"reward function {fn_spec!r} cannot be loaded: {type(e).__name__}: {e}") from None
         else:
             self._pool = WorkerPool(REWARD_HANDLER, [fn_spec], what=f"reward function {fn_spec!r}", workers=workers,
-                                    timeout_s=timeout_s, result=_reply_score, error=RewardError)
+                                    timeout_s=timeout_s, result=_reply_score, error=RewardError, judge=self._record)
+
+    @property
+    def failure(self) -> RewardError | None:
+        """Set when the pool has given up on the function (see the module doc); final."""
+        return self._pool.failure if self._pool is not None else self._inline_failure
 
     @property
     def replacements(self) -> int:
@@ -304,7 +391,7 @@ class RewardPool:
         return self._pool.replacements if self._pool is not None else 0
 
     def submit(self, samples: Sequence[Sample]) -> list[concurrent.futures.Future]:
-        """Queue the samples; one Future[Score] per sample, in order."""
+        """Queue the samples; one Future[Score] per sample, in order (raising `failure` once given up)."""
         if self._pool is not None:
             # The MoE routing (up to megabytes per sample) is for the trainer, not the reward function:
             # it is neither pickled nor sent (and the worker need not import numpy to unpickle it).
@@ -312,11 +399,17 @@ class RewardPool:
                                       else s for s in samples])
         if self._closed:
             raise RuntimeError("reward pool is closed")
-        futures = []
-        for sample in samples:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_result(_score(*score_one(self._inline, sample)))
-            futures.append(future)
+        futures = [concurrent.futures.Future() for _ in samples]
+        for sample, future in zip(samples, futures):  # workers=0: scored here
+            if self._inline_failure is not None:
+                future.set_exception(self._inline_failure)
+                continue
+            score = _score(*score_one(self._inline, sample))
+            with self._lock:
+                failure = self._record(sample, score)
+                if failure:
+                    self._inline_failure = failure  # (nothing queued or running: the rest of `samples` fail above)
+            _settle(future, score, failure)
         return futures
 
     def score(self, samples: Sequence[Sample]) -> list[Score]:
@@ -339,12 +432,48 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _record(self, sample: Sample, score: Score) -> RewardError | None:
+        """(Under a lock.) Count a sample's outcome; the RewardError when the pool must give up now."""
+        if self._first_failures is None:
+            return None
+        if score.status not in ("timeout", "error"):
+            self._first_failures = None  # the function works: later failures cost only their sample
+            return None
+        self._first_failures.append((sample, score))
+        if len(self._first_failures) < self._give_up_after:
+            return None
+        timeouts = sum(s.status == "timeout" for _, s in self._first_failures)
+        errors = len(self._first_failures) - timeouts
+        how = ", ".join(part for part in (f"{timeouts} timed out after {self.timeout_s:g} s" if timeouts else "",
+                                          f"{errors} errors" if errors else "") if part)
+        return RewardError(
+            f"reward function {self.fn_spec!r} failed on its first {len(self._first_failures)} samples in a row "
+            f"({how}): is it broken? Stopping instead of training on zeros; try it on one response with "
+            f"`megatron-gspo score --fn {self.fn_spec} --answer A --response R`. "
+            f"First failure: {_describe(*self._first_failures[0])}")
+
 
 def _reply_score(status: str, payload) -> Score:
     """The Score of a worker's reply (a `score_one` reply, or the pool's timeout / died)."""
     if status == "timeout":
         return Score(0.0, "timeout", payload)
     return _score("error" if status == "died" else status, payload)
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve `future` with `error` or else `result`, unless it is resolved already (the pool gave up on it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _fail(futures: Sequence[concurrent.futures.Future], error: BaseException) -> None:
+    for future in futures:
+        _settle(future, error=error)
 
 
 def _score(status: str, payload) -> Score:

@@ -19,7 +19,9 @@ and would fight the pool's deadline. They are turned off here (`parsing_timeout=
 `timeout_seconds=None`): `RewardPool` runs every call in a worker process and kills it past the
 deadline. Calling `math_reward` directly therefore has no time limit: the bounded input
 (`MAX_RESPONSE_CHARS`) keeps long responses cheap, but a short one such as "\\boxed{9^{9^{9^{9}}}}"
-makes SymPy evaluate a power tower and never return. Score untrusted text through the pool.
+makes SymPy evaluate a power tower and never return. Score untrusted text through the pool, in
+worker processes: `RewardPool(..., workers=0)` (no processes, no time limit) takes only the functions
+of `BOUNDED`.
 """
 from __future__ import annotations
 
@@ -27,8 +29,6 @@ import importlib
 import logging
 import re
 from typing import Callable
-
-from math_verify import parse, verify
 
 from megatron_gspo.rewards import Unparsed
 from megatron_gspo.samples import Sample
@@ -71,12 +71,14 @@ def parse_gold(answer: str) -> list:
     so an answer without its own "$" or "\\boxed" is parsed as "$answer$" first, then bare, then
     as "\\boxed{answer}"; the first that yields something wins.
     """
+    import math_verify  # (see load_reward_fn)
+
     if "$" in answer or "\\boxed" in answer:
         candidates = (answer,)
     else:
         candidates = (f"${answer}$", answer, f"\\boxed{{{answer}}}")
     for text in candidates:
-        gold = parse(text, parsing_timeout=None)
+        gold = math_verify.parse(text, parsing_timeout=None)
         if gold:
             return gold
     raise ValueError(f"math reward: reference answer {answer!r} cannot be parsed by math-verify")
@@ -84,13 +86,15 @@ def parse_gold(answer: str) -> list:
 
 def math_reward(sample: Sample) -> float:
     """1.0 when math-verify finds the response's final answer equal to the reference answer, else 0.0."""
+    import math_verify  # (see load_reward_fn)
+
     if sample.answer is None:
         raise ValueError("math reward needs the sample's answer")
     gold = parse_gold(sample.answer)
-    prediction = parse((sample.response_text or "")[-MAX_RESPONSE_CHARS:], parsing_timeout=None)
+    prediction = math_verify.parse((sample.response_text or "")[-MAX_RESPONSE_CHARS:], parsing_timeout=None)
     if not prediction:
         return 0.0
-    return float(verify(gold, prediction, timeout_seconds=None))
+    return float(math_verify.verify(gold, prediction, timeout_seconds=None))
 
 
 def _integer(text: str) -> str:
@@ -123,9 +127,19 @@ def no_reward(sample: Sample) -> float:
 BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "final_answer": final_answer,
                                 "none": no_reward}
 
+BOUNDED = frozenset({"exact_match", "final_answer", "none"})
+"""The built-ins whose time is linear in the response (a string compare; one regular expression without
+nested repetition; a constant): the only functions a RewardPool scores in the caller's thread (workers=0), where no
+time limit can be enforced. Not "math": SymPy can run forever on a short response (see the module doc)."""
+
 
 def load_reward_fn(spec: str) -> RewardFn:
     """A built-in name (BUILTIN) or a user function "package.module:function"."""
+    if spec == "math":
+        # Imported here, not with this module: SymPy takes ~1 s (2 s on a loaded machine) to import, which
+        # a worker of another function would pay at every start, e.g. when it replaces one killed past its
+        # time limit; a math worker pays it at start-up, outside its first sample's time limit.
+        import math_verify  # noqa: F401
     if spec in BUILTIN:
         return BUILTIN[spec]
     module_name, sep, attr = spec.partition(":")

@@ -149,7 +149,7 @@ async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt],
     """Roll out, score and (optionally) filter groups until `num_groups` are kept.
 
     Each group goes to `scorer` (rollout/scoring.py) as it finishes generating; a round's rewards are
-    awaited once its generation returns.
+    awaited once its generation returns (a reward function the pool gives up on stops the generation).
 
     Without dynamic sampling: one round of `num_groups` prompts. With it: round 1 asks for
     ceil(missing * oversample) prompts, later rounds for ceil(missing * oversample / f), f = the
@@ -183,7 +183,7 @@ async def collect_scored_groups(generate: GenerateFn, prompts: Iterator[Prompt],
         if not round_prompts:
             raise PromptsExhausted(f"prompts ran out with {len(batch.groups)} of {num_groups} groups "
                                    f"({batch.num_dropped} zero-variance groups dropped)")
-        groups, stats = await generate(round_prompts, on_group=scorer.submit)
+        groups, stats = await scorer.stop_on_failure(generate(round_prompts, on_group=scorer.submit))
         batch.score_counts.add(await scorer.score(groups))
         batch.rounds += 1
         batch.rollout_stats.append(stats)

@@ -28,9 +28,13 @@ one had sampled. With N = 0 nothing runs in the background: generate, then train
 
 Preemption lives here because this is where it is met: Slurm signals the rollout servers together with
 the trainer, so a request or a weight push can fail *because* the run is being stopped. After a stop
-request such a failure is an interruption: `generate` returns `Ended("signal")` and `sync_weights` False, and the
-driver stops with a checkpoint. Before one, it is an error and raises. A collective backend (the
-trainer's own model) has no servers to lose, so its failures always raise.
+request such a failure is an interruption: `generate` returns `Ended("signal")`, `sync_weights` False and
+`evaluate` no results, and the driver stops with a checkpoint. Before one, it is an error, and every rank
+raises it: rank 0's failure (the servers are rank 0's, and so is the reward pool) travels to the other
+ranks as a `Failed` in the broadcast they wait in, and each rank raises `RolloutFailed` with rank 0's
+message, so they can still finish together what they share (the driver publishes the background
+checkpoint all of them have written). A collective backend (the trainer's own model) has no servers to
+lose: its failures raise where they happen, except the scoring's, which is rank 0's (rollout/scoring.py).
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from megatron_gspo.evaluation import eval_sampling, evaluate
 from megatron_gspo.rollout.batch_filling import PromptsExhausted, ScoredBatch, collect_scored_groups
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.samples import Prompt
-from megatron_gspo.rollout.protocol import NamedTensors, RolloutBackend
+from megatron_gspo.rollout.protocol import Failed, NamedTensors, RolloutBackend, RolloutFailed, failed_on_rank0
 
 
 class StopSignal(Protocol):
@@ -128,8 +132,8 @@ class Rollout:
 
     def generate(self, position: int) -> RolloutBatch | Ended:
         """Collective: the batch from prompt-stream position `position` on every rank, or the same
-        `Ended` on every rank (see the module doc)."""
-        result: RolloutBatch | Ended | None = None
+        `Ended` on every rank; RolloutFailed on every rank when rank 0's rollout failed (see the module doc)."""
+        result: RolloutBatch | Ended | Failed | None = None
         if self.backend is not None:
             if self._ahead:
                 result = self._ahead.popleft().result()
@@ -138,20 +142,20 @@ class Rollout:
                                        f"the trainer asks for {position}")
             else:
                 result = self._attempt(position)
-        box = [result]
         with profiling.span("rollout/broadcast_batch"):
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return _from_rank0(result)
 
-    def _attempt(self, position: int) -> RolloutBatch | Ended:
+    def _attempt(self, position: int) -> RolloutBatch | Ended | Failed:
         try:
             return self._collect(position)
         except PromptsExhausted as exhausted:
             print(f"data: {exhausted}; ending the run", flush=True)
             return Ended("data")
         except Exception as error:
-            if self.stop.signal_name is None or self.backend.collective:
+            if self.backend.collective:
                 raise
+            if self.stop.signal_name is None:
+                return failed_on_rank0("rollout", error)
             print(f"rollout failed after {self.stop.signal_name} ({type(error).__name__}: {error})", flush=True)
             return Ended("signal")
 
@@ -166,10 +170,10 @@ class Rollout:
             previous = self._ahead[-1] if self._ahead else None
             self._ahead.append(self._executor.submit(self._generate_after, previous, batch))
 
-    def _generate_after(self, previous: Future | None, batch: RolloutBatch) -> RolloutBatch | Ended:
+    def _generate_after(self, previous: Future | None, batch: RolloutBatch) -> RolloutBatch | Ended | Failed:
         """The background thread's job: the batch that follows `previous`'s result (or `batch`)."""
         before = previous.result() if previous is not None else batch
-        if isinstance(before, Ended):
+        if isinstance(before, (Ended, Failed)):
             return before
         with self._turn:
             while self._held:
@@ -232,30 +236,40 @@ class Rollout:
                             generate_s=time.perf_counter() - start, started_at=started, ended_at=time.monotonic())
 
     def evaluate(self) -> dict[str, float]:
-        """Collective: every eval dataset's metrics (evaluation.py) on every rank; {} without eval sets."""
-        results = None
+        """Collective: every eval dataset's metrics (evaluation.py) on every rank; {} without eval sets or
+        when a stop signal interrupted it; RolloutFailed on every rank when rank 0's failed."""
+        results: dict | Failed | None = None
         if self.backend is not None and self.eval_sets:
-            with self._servers_to_ourselves():  # the scorer and the servers' weights are the eval's alone
-                results = self._loops.run(evaluate(self.backend.generate, self.eval_sets, self.scorer,
-                                               self.eval_sampling, self.eval_k))
-        box = [results]
-        dist.broadcast_object_list(box, src=0)
-        return box[0] or {}
+            try:
+                with self._servers_to_ourselves():  # the scorer and the servers' weights are the eval's alone
+                    results = self._loops.run(evaluate(self.backend.generate, self.eval_sets, self.scorer,
+                                                       self.eval_sampling, self.eval_k))
+            except Exception as error:
+                if self.backend.collective:
+                    raise
+                if self.stop.signal_name is None:
+                    results = failed_on_rank0("evaluation", error)
+                else:
+                    print(f"evaluation failed after {self.stop.signal_name} ({type(error).__name__}: {error})",
+                          flush=True)
+        return _from_rank0(results) or {}
 
     @property
     def needs_weights(self) -> bool:
-        """Whether a sync needs the exported tensors (the trainer's own model needs none)."""
+        """Whether a sync needs the exported tensors: the sampler is rank 0's servers (the trainer's own
+        model needs none)."""
         return self.backend is None or not self.backend.collective
 
     def sync_weights(self, export: Callable[[], NamedTensors], version: str) -> bool:
         """Collective: the policy's new weights become the sampler's, as `version`.
 
         `export()` is the collective walk over the model under HF names (convert/export.py; only rank 0
-        receives full tensors): every rank walks it to the end, whether or not rank 0's push succeeded.
-        Returns False when the push failed after a stop signal (the servers got it too): a resumed run
-        pushes the weights of its checkpoint first."""
-        tensors = iter(_timed_export(export()) if self.needs_weights else ())
-        synced = True
+        receives full tensors): every rank walks it to the end, whether or not rank 0's push succeeded,
+        and then learns how it went. Returns False when the push failed after a stop signal (the servers
+        got it too): a resumed run pushes the weights of its checkpoint first. Before one, RolloutFailed
+        on every rank."""
+        tensors = _Walk(_timed_export(export()) if self.needs_weights else ())
+        synced: bool | Failed = True
         try:
             if self.backend is not None:
                 start = time.perf_counter()
@@ -264,14 +278,17 @@ class Rollout:
                     self.sync_wait_s = time.perf_counter() - start
                     self.backend.sync_weights(tensors, version)
         except Exception as error:
+            if tensors.failed or (self.stop.signal_name is None and self.backend.collective):
+                raise  # this rank's own: a collective of the walk failed, or (the trained model samples) its push
             if self.stop.signal_name is None:
-                raise
-            print(f"weight sync failed after {self.stop.signal_name} ({type(error).__name__}: {error}); "
-                  "the weights go to the servers when the run resumes", flush=True)
-            synced = False
+                synced = failed_on_rank0("weight push", error)
+            else:
+                print(f"weight sync failed after {self.stop.signal_name} ({type(error).__name__}: {error}); "
+                      "the weights go to the servers when the run resumes", flush=True)
+                synced = False
         for _ in tensors:  # the rest of the walk (all of it on ranks without a backend)
             pass
-        return synced
+        return _from_rank0(synced) if self.needs_weights else synced
 
     def close(self) -> None:
         if self._executor is not None:  # a batch being generated ends with the servers (or first)
@@ -314,6 +331,35 @@ class _EventLoops:
                     runner.run(self._backend.close_connections())
             finally:
                 runner.close()
+
+
+def _from_rank0(result):
+    """Collective: rank 0's `result` on every rank, or, when it is a `Failed`, RolloutFailed raised on every rank."""
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Failed):
+        raise RolloutFailed(box[0].message)
+    return box[0]
+
+
+class _Walk:
+    """The export walk, remembering whether it raised itself (a collective inside it failed: an error the
+    other ranks cannot learn of) rather than the push that reads it."""
+
+    def __init__(self, items: NamedTensors):
+        self._items, self.failed = iter(items), False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
 
 
 def _timed_export(tensors: NamedTensors) -> NamedTensors:

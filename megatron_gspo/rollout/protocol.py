@@ -10,6 +10,7 @@ model generating collectively on every rank (rollout/megatron/); `rollout.backen
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -17,6 +18,29 @@ import torch
 
 from megatron_gspo.config import SamplingConfig
 from megatron_gspo.samples import Prompt, Sample
+
+
+class RolloutFailed(RuntimeError):
+    """Rank 0's rollout, scoring or weight push failed (a server died, the reward function is broken), and
+    every rank raises this together, with rank 0's message: they learn of it from the broadcast that brings
+    rank 0's results (rollout/manager.py, rollout/scoring.py), so they can still act together before the
+    run ends with it (the driver publishes the background checkpoint every rank has written)."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rank 0's failure on its way to every rank, in the broadcast of rank 0's results; raised there as
+    RolloutFailed(message)."""
+
+    message: str
+
+
+def failed_on_rank0(what: str, error: BaseException) -> Failed:
+    """`error` as every rank will raise it ("rollout failed on rank 0: RolloutError: ..."); its traceback is
+    printed here, where it happened."""
+    traceback.print_exception(error)
+    return Failed(f"{what} failed on rank 0: {type(error).__name__}: {error}")
+
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 """(Hugging Face name, full tensor) pairs in order, e.g. convert.export.iter_hf_tensors(...)."""

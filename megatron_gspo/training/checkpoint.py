@@ -13,11 +13,16 @@ so the project's checkpoint tools read it as they read any Megatron checkpoint: 
 `convert.load.load_weights(model, DIR)` or an HF export of DIR.
 
 A checkpoint is written into DIR/iter_0000007.tmp/ and renamed to iter_0000007/ by rank 0 only after
-every rank has finished writing, then the `latest` file is updated: a crash at any moment leaves
-either the previous complete checkpoint as the latest or the new one, never a partial one.
-`.tmp` leftovers of a crashed save are ignored by `find_latest` and deleted by the next save.
-Written in the background (`BackgroundSaves`, checkpoint.async_save), the rename and the `latest` file
-wait until every rank's writer has finished: the same guarantee, later.
+every rank has finished writing (its *publication*), then the `latest` file is updated: a crash at any
+moment leaves either the previous complete checkpoint as the latest or the new one, never a partial one.
+Written in the background (`BackgroundSaves`, checkpoint.async_save), the publication waits until every
+rank's writer has finished: the same guarantee, later. It happens at the next save, at the run's end, on
+a stop signal, and on an error every rank raises together (the driver's `RolloutFailed`: rank 0's rollout,
+scoring or weight push failed); an error on one rank alone cannot publish it (the others cannot join in)
+and neither can a kill. What such an exit leaves behind, `recover_unpublished` sorts out at the next
+start: a `.tmp` newer than the latest checkpoint is published if it is complete (Megatron's `.metadata`
+is written once every rank's tensors are: a kill before the rename), else removed; `find_latest` never
+reads `.tmp` folders, and the next save deletes any left.
 
 Exactness: model and Adam state (both moments and the step count) are saved in float32 as they are;
 with the RNG states, the data position and the scheduler step restored, the resumed run takes the
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+from megatron_gspo.convert.dcp_io import DcpRegionReader
 from megatron_gspo.convert.load import named_model_chunks
 from megatron_gspo.platform.megatron_compat import (create_distributed_optimizer_state,
                                                     restore_distributed_optimizer_steps, use_own_write_results)
@@ -51,6 +57,7 @@ from megatron_gspo.training.optimizer import fuse_cpu_adam
 
 LATEST = "latest_checkpointed_iteration.txt"
 _COMPLETE = re.compile(r"^iter_(\d{7})$")
+_UNPUBLISHED = re.compile(r"^iter_(\d{7})\.tmp$")
 
 
 @dataclass
@@ -133,10 +140,23 @@ class BackgroundSaves:
     `latest` updated, old ones pruned) by `finish` once every rank's writer is done: until then the
     previous checkpoint is the latest, and a crash leaves only a `.tmp` behind. One save is in flight at
     most (the next save waits for it). Every method is collective: call it on every rank.
+
+    As a context manager, leaving the block publishes the save in flight (waiting for its writers): at a
+    normal end and on the errors in `collective_errors`, which every rank raises at the same point. Any
+    other error may be one rank's, while the others are elsewhere and cannot join the all-reduce: its
+    save stays a `.tmp` (`recover_unpublished` publishes or removes it at the next start).
     """
 
-    def __init__(self):
+    def __init__(self, collective_errors: tuple[type[BaseException], ...] = ()):
         self._calls = AsyncCallsQueue(persistent=False)  # a fresh fork per save: a snapshot each time
+        self.collective_errors = collective_errors
+
+    def __enter__(self) -> "BackgroundSaves":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None or isinstance(error, self.collective_errors):
+            self.finish(wait=True)
 
     @property
     def pending(self) -> bool:
@@ -178,7 +198,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
         torch.save({"step": state.step, "data_state": state.data_state, "user_state": state.user_state,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "world_size": dist.get_world_size()}, tmp / "trainer.pt")
-    publish = functools.partial(_publish, Path(ckpt_dir), state.step, keep_last)
+    publish = functools.partial(_publish_on_rank0, Path(ckpt_dir), state.step, keep_last)
     if background is not None:
         # Megatron's own finalize (metadata, then a barrier: every rank's tensors are written) runs first.
         request.add_finalize_fn(publish)
@@ -190,11 +210,14 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainerState, model: lis
     return final
 
 
+def _publish_on_rank0(ckpt_dir: Path, step: int, keep_last: int) -> None:
+    """Publish checkpoint `step` once all ranks have finished writing it (rank 0 does; the others return)."""
+    if dist.get_rank() == 0:
+        _publish(ckpt_dir, step, keep_last)
+
+
 def _publish(ckpt_dir: Path, step: int, keep_last: int) -> None:
-    """Rank 0: iter_STEP.tmp -> iter_STEP, then the `latest` file, then the pruning (all ranks have
-    finished writing it)."""
-    if dist.get_rank() != 0:
-        return
+    """iter_STEP.tmp -> iter_STEP, then the `latest` file, then the pruning."""
     final = iteration_dir(ckpt_dir, step)
     if final.exists():  # the same step saved again (e.g. on a signal right after a periodic save)
         shutil.rmtree(final)
@@ -203,6 +226,64 @@ def _publish(ckpt_dir: Path, step: int, keep_last: int) -> None:
     if keep_last:
         for old in complete_iterations(ckpt_dir)[:-keep_last]:
             shutil.rmtree(iteration_dir(ckpt_dir, old))
+
+
+def recover_unpublished(ckpt_dir: str | os.PathLike, *, keep_last: int = 0) -> list[str]:
+    """Publish or remove what a crash left unpublished; one line for each, to print. Call it on rank 0 only,
+    before a resume reads `find_latest` (no process group needed).
+
+    Each `iter_STEP.tmp` newer than the latest checkpoint is verified (`_why_incomplete`): complete
+    (a kill between Megatron's finalize and the rename), it is published as the save would have (rename,
+    `latest` file, pruning to `keep_last`); else removed, so that a run resuming from an older step never
+    leaves a newer one lying next to it. Older `.tmp` folders stay for the next save to delete.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    latest = find_latest(ckpt_dir)
+    lines = []
+    for step in sorted(int(m.group(1)) for p in ckpt_dir.iterdir() if (m := _UNPUBLISHED.match(p.name))):
+        if latest is not None and step <= latest:
+            continue
+        tmp = ckpt_dir / f"iter_{step:07d}.tmp"
+        problem = _why_incomplete(tmp, step)
+        if problem is None:
+            _publish(ckpt_dir, step, keep_last)
+            latest = step
+            lines.append(f"published iter_{step:07d} left complete by the previous run")
+        else:
+            shutil.rmtree(tmp)
+            lines.append(f"removed {tmp.name}: incomplete ({problem})")
+    return lines
+
+
+def _why_incomplete(tmp: Path, step: int) -> str | None:
+    """Why the unpublished checkpoint folder `tmp` of `step` is not complete, or None when it is.
+
+    Complete: Megatron's `.metadata` (rank 0 writes it after gathering every rank's write results) with
+    every data file it places records in present and long enough (convert/dcp_io.py), its metadata.json,
+    common.pt, trainer.pt of this step, and an RNG file for each rank of the world that saved it.
+    """
+    if not (tmp / ".metadata").is_file():
+        return "no .metadata: the previous run died while writing it"
+    try:
+        DcpRegionReader(tmp)
+    except (FileNotFoundError, ValueError) as error:
+        return str(error)
+    for name in ("metadata.json", "common.pt", "trainer.pt"):
+        if not (tmp / name).is_file():
+            return f"no {name}"
+    try:
+        trainer = torch.load(tmp / "trainer.pt", weights_only=False)
+    except Exception as error:  # truncated: EOFError, RuntimeError ("failed finding central directory"), ...
+        return f"trainer.pt cannot be read ({type(error).__name__}: {error})"
+    if trainer["step"] != step:
+        return f"its trainer.pt is step {trainer['step']}'s"
+    missing = [f"rng/rank_{r:05d}.pt" for r in range(trainer["world_size"])
+               if not (tmp / "rng" / f"rank_{r:05d}.pt").is_file()]
+    if missing:
+        return f"no {', '.join(missing)} (saved by {trainer['world_size']} ranks)"
+    return None
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike, model: list, optimizer=None, scheduler=None, *,

@@ -8,7 +8,6 @@ latest_checkpointed_iteration.txt, or one iter_* directory); the latter is conve
 converter into a temporary HF directory (model.hf_path gives its config and tokenizer). The responses come
 from SGLang servers launched on it (the SGLang backend's settings; rollout.server_urls are not used: they
 serve other weights), are scored by the run's reward pool and reported as in training (evaluation.py).
-SGLang on CPU cannot serve Qwen3-MoE (PLATFORM.md), so on CPU this evaluates dense models only.
 """
 from __future__ import annotations
 
@@ -23,13 +22,14 @@ from megatron_gspo.evaluation import eval_sampling, evaluate
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.backend import SGLangBackend
 from megatron_gspo.rollout.scoring import Scorer
-from megatron_gspo.training.preflight import open_datasets
+from megatron_gspo.training.preflight import check_reward, open_datasets
 
 
 def evaluate_checkpoint(config: TrainConfig, checkpoint: str | Path) -> dict[str, float]:
     """eval/NAME/mean@k, pass@k, ... of every eval dataset of `config` on the weights in `checkpoint`."""
     if not config.eval.datasets:
         raise ValueError("eval.datasets is empty: nothing to evaluate (e.g. eval.datasets.held_out=test.jsonl)")
+    check_reward(config.reward)
     checkpoint = Path(checkpoint)
     with tempfile.TemporaryDirectory(prefix="megatron_gspo_eval_") as tmp:
         if (checkpoint / "config.json").is_file():

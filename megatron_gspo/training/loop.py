@@ -16,8 +16,17 @@ training/preemption.py) during start-up stops at once; during the loop it ends t
 current step, with a checkpoint when `checkpoint.save_on_signal`. A rollout interrupted by it comes
 back as `Ended("signal")` and ends the run with the previous step's checkpoint, from which a resumed run
 continues exactly; `Ended("data")` (data.epochs used up) ends it with a checkpoint of the last step.
+A failure of rank 0's rollout, scoring or weight push (a server died, a broken reward function) is raised
+on every rank together (`RolloutFailed`), after the background checkpoint every rank has written is
+published; what an error on one rank or a kill leaves unpublished, the next start publishes if complete.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":
+    # A rank: first of all, end with torchrun's agent however it ends (before the imports below, which take
+    # seconds; launch.py imports nothing heavy).
+    from megatron_gspo.training.launch import end_with_launcher
+    end_with_launcher()
 
 import contextlib
 import functools
@@ -39,18 +48,21 @@ from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo import profiling
 from megatron_gspo.loss.advantages import group_advantages, spread_over_turns, turn_advantages
 from megatron_gspo.parallel.groups import init_megatron
+from megatron_gspo.platform.quiet import FALLBACK_NOTE, fallbacks_in_use
 from megatron_gspo.rollout.backend import open_backend
 from megatron_gspo.rollout.sglang.backend import start_sglang
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.sglang.server import stop_all
 from megatron_gspo.rollout.jsonl import write_rollouts
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
+from megatron_gspo.rollout.protocol import RolloutFailed
 from megatron_gspo.rollout.scoring import Scorer
 from megatron_gspo.training import checkpoint as ckpt
 from megatron_gspo.training.metrics import MetricsLogger, plot
 from megatron_gspo.training.packing import Response, responses_from_samples
 from megatron_gspo.training.preemption import StopRequest
 from megatron_gspo.training.preflight import Prepared, nothing_to_do, preflight
+from megatron_gspo.training.run_lock import rank_lock
 from megatron_gspo.training.setup import Policy, build_policy, old_logprobs, step_settings
 from megatron_gspo.training.step import train_on_batch
 
@@ -62,6 +74,8 @@ def train(config: TrainConfig) -> None:
         # SGLang servers to launch start first (rank 0): their start-up overlaps Megatron's below.
         started = None
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # torchrun's
+        if rank == 0 and fallbacks_in_use():
+            print(FALLBACK_NOTE, flush=True)  # in place of Megatron-Core's six warnings per rank (platform/quiet.py)
         if config.rollout.backend == "sglang" and not config.rollout.server_urls and rank == 0:
             started = start_sglang(config)
             stack.callback(stop_all, started)  # also if anything below fails before the backend owns them
@@ -75,10 +89,13 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
     settings, source = step_settings(config, policy.shape), old_logprobs(config, policy)
     state = initial_weights(config, policy)  # the resumed checkpoint, or the converted HF model
     export = functools.partial(iter_hf_tensors, policy.model, policy.shape, dst=0)
-    saves = ckpt.BackgroundSaves() if config.checkpoint.async_save else None
     with contextlib.ExitStack() as stack:
         rollout = stack.enter_context(contextlib.closing(open_rollout(config, policy, stop, prepared, stack,
                                                                       started)))
+        # Background checkpoints: the last one is published when the loop ends, and before a RolloutFailed
+        # that every rank raises (checkpoint.py: an error on one rank alone cannot).
+        saves = (stack.enter_context(ckpt.BackgroundSaves(collective_errors=(RolloutFailed,)))
+                 if config.checkpoint.async_save else None)
         rollout.preload(state.user_state.get("rollout_ahead", []))  # batches sampled before the checkpoint
         logger = stack.enter_context(open_logger(config, state)) if dist.get_rank() == 0 else None
         if state.step:  # the servers start from the HF weights: give them the resumed ones
@@ -138,8 +155,6 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                     save_rollouts(config, state.step, batch, responses, prepared.tokenizer)
             if stopping:
                 break
-        if saves is not None:  # the last checkpoint, complete before the run ends
-            saves.finish(wait=True)
     if stop.requested and dist.get_rank() == 0:
         print(f"stopping on {stop.signal_name} after step {state.step}", flush=True)
     stop.arm(False)  # the servers are stopped: from here on a signal ends the process at once
@@ -292,8 +307,14 @@ def log_step(logger: MetricsLogger, config: TrainConfig, step: int, batch: Rollo
 
 
 def initial_weights(config: TrainConfig, policy: Policy) -> ckpt.TrainerState:
-    """Load the latest checkpoint when resuming; else the HF model, converted once into run_dir."""
+    """Load the latest checkpoint when resuming (one a crash left complete but unpublished included);
+    else the HF model, converted once into run_dir."""
     c = config.checkpoint
+    if c.dir and c.resume:
+        if dist.get_rank() == 0:
+            for line in ckpt.recover_unpublished(c.dir, keep_last=c.keep_last):
+                print(line, flush=True)
+        dist.barrier()
     if c.dir and c.resume and ckpt.find_latest(c.dir) is not None:
         state = ckpt.load_checkpoint(c.dir, policy.model, policy.optimizer, policy.scheduler)
         if dist.get_rank() == 0:
@@ -335,12 +356,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     config = load_config(argv[0], argv[1:])
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's global rank
     done = nothing_to_do(config)  # (`megatron-gspo train` says so before it starts torchrun)
     if done:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(done, flush=True)
         return 0
-    train(config)
+    with rank_lock(config, rank):  # started by plain torchrun, rank 0 holds the run directories' lock
+        train(config)
     dist.destroy_process_group()
     return 0
 

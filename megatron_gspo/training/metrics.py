@@ -7,10 +7,9 @@ metrics.jsonl holds one JSON object per optimizer step: {"step": 12, "rollout_st
 
 Metric names are namespaced where they are computed: reward/ (the verifier's rewards), rollout/ (what was
 generated), loss/ (the policy loss and its ratios), train/ (optimizer, gradients, the policy's entropy,
-train-vs-rollout log-prob gap), correction/ (the train-inference mismatch: loss/correction.py), moe/ (routing),
-time/ (seconds), data/, eval/ and profile/. A record with a
-name outside these is refused (`NAMESPACES`). Runs logged before the namespaces are read under today's
-names (`read_metrics`, with `LEGACY_NAMES`).
+train-vs-rollout log-prob gap), moe/ (routing), correction/ (train-inference mismatch), time/ (seconds),
+data/, eval/ and profile/. A record with a name outside these is refused (`NAMESPACES`). Runs logged before
+the namespaces are read under today's names (`read_metrics`, with `LEGACY_NAMES`).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 
-NAMESPACES = ("reward/", "rollout/", "loss/", "train/", "correction/", "moe/", "time/", "data/", "eval/", "profile/")
+NAMESPACES = ("reward/", "rollout/", "loss/", "train/", "moe/", "correction/", "time/", "data/", "eval/", "profile/")
 """The prefixes every logged metric name has (besides step and rollout_step)."""
 
 LEGACY_NAMES: dict[str, str] = {

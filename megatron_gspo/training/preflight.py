@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from megatron_gspo.config import TrainConfig
+from megatron_gspo.config import RewardConfig, TrainConfig
 from megatron_gspo.convert.hf_config import shape_of
 from megatron_gspo.data import PromptDataset, open_prompt_dataset
 from megatron_gspo.model.gpt import check_layout
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.paths import relative_path_note
-from megatron_gspo.rewards.verifiers import load_reward_fn
+from megatron_gspo.rewards.verifiers import BOUNDED, load_reward_fn
 from megatron_gspo.rollout.agent.episode import load_episode_fn
 from megatron_gspo.rollout.agent.tools import tool_schemas
 from megatron_gspo.rollout.megatron.sampling import check_sampling
@@ -56,8 +56,9 @@ def _writable(path: str, name: str) -> None:
 
 def preflight(config: TrainConfig) -> Prepared:
     """Raise ValueError naming the setting when a path the run needs is missing or not writable, a
-    named preset or reward function does not exist, the parallel layout cannot split the model
-    (model.gpt.check_layout), or a dataset is bad (data.DataError); else the opened datasets."""
+    named preset or reward function does not exist (or cannot have its time limit, `check_reward`), the
+    parallel layout cannot split the model (model.gpt.check_layout), or a dataset is bad (data.DataError);
+    else the opened datasets."""
     model = config.model
     if model.preset is not None and model.preset not in PRESETS:
         raise ValueError(f"model.preset must be one of {sorted(PRESETS)}, got {model.preset!r}")
@@ -107,10 +108,7 @@ def preflight(config: TrainConfig) -> Prepared:
     if not config.data.train:
         raise ValueError("data.train is required to train: a .jsonl/.parquet prompt file or a save_to_disk "
                          "directory (see README, 'Train on your own data')")
-    try:
-        load_reward_fn(config.reward.fn)
-    except ValueError as e:
-        raise ValueError(f"reward.fn: {e}") from None
+    check_reward(config.reward)
     if config.rollout.episode_fn is not None:
         load_episode_fn(config.rollout.episode_fn)
     if config.rollout.episodes and config.rollout.max_context_tokens is not None:
@@ -122,6 +120,23 @@ def preflight(config: TrainConfig) -> Prepared:
     if config.rollout.tools:
         check_tool_template(prepared.tokenizer, prepared.tools, config.data.chat_template_kwargs)
     return prepared
+
+
+def check_reward(reward: RewardConfig) -> None:
+    """ValueError when reward.fn cannot be loaded, or when reward.workers=0 (scoring in the trainer's
+    thread, where reward.timeout_s cannot be enforced) is asked of a function not known to be bounded
+    (rewards/verifiers.py BOUNDED): one response on which it hangs would stall the run, silently."""
+    try:
+        load_reward_fn(reward.fn)
+    except ValueError as e:
+        raise ValueError(f"reward.fn: {e}") from None
+    if reward.workers == 0 and reward.fn not in BOUNDED:
+        why = ("math-verify can run forever on a short hostile response such as \\boxed{9^{9^{9^{9}}}}"
+               if reward.fn == "math" else "a user function may hang, and nothing could stop it")
+        raise ValueError(f"reward.workers=0 scores in the trainer's thread, where reward.timeout_s cannot be enforced, "
+                         f"and reward.fn={reward.fn} is not known to finish ({why}): set reward.workers to 1 or more "
+                         f"(worker processes, killed past reward.timeout_s); workers=0 is only for "
+                         f"{', '.join(sorted(BOUNDED))}")
 
 
 def nothing_to_do(config: TrainConfig) -> str | None:

@@ -32,7 +32,8 @@ def tiny_moe_dir(tmp_path_factory):
 
 
 def common_overrides(hf_dir, run_dir) -> list[str]:
-    return [f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
+    return ["rollout.backend=megatron", f"model.hf_path={hf_dir}", f"logging.run_dir={run_dir}",
+            f"checkpoint.dir={run_dir / 'ckpt'}",
             "checkpoint.interval=2", "num_steps=2", "gspo.prompts_per_step=4", "gspo.group_size=4",
             "gspo.num_minibatches=2", "eval.samples_per_prompt=4"]
 

@@ -1,5 +1,5 @@
-"""Routed experts from a real SGLang server on a GPU (SGLang's CPU backend gives NaN logits for Qwen3-MoE,
-README "Qwen3-MoE on CPU", so this needs CUDA): a tiny Qwen3-MoE served with
+"""Routed experts from a real SGLang server on a GPU (the CUDA kernels' routing; the CPU tier checks SGLang's
+native-torch one: tests/sglang/test_sglang_moe_cpu.py): a tiny Qwen3-MoE served with
 --enable-return-routed-experts; every sample's array has P + R - 1 positions of [L, k] distinct expert ids,
 and they are the experts the Hugging Face model's own routers pick for the same tokens at the same
 positions (an off-by-one in the positions would match only by chance).
@@ -21,6 +21,7 @@ from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.rollout.sglang.routed_experts import RoutingSpec
 from megatron_gspo.rollout.sglang.server import ServerConfig, default_sglang_python, launch_servers
 from megatron_gspo.samples import Prompt
+from tests.tiny_hf import hf_routing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,27 +65,13 @@ def test_shape_dtype_and_ids(groups):
         assert (np.diff(np.sort(ids, axis=-1), axis=-1) > 0).all()
 
 
-def hf_routing(model, token_ids: list[int]) -> np.ndarray:
-    """[T, L, k] expert ids the HF model's routers pick (sorted per row), float32 on CPU."""
-    picks = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, args, out: picks.append(out[2]))
-             for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([token_ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return np.sort(torch.stack(picks, dim=1).numpy(), axis=-1)
-
-
 def test_ids_are_the_experts_hf_routes_to(groups, moe_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     aligned, shifted = [], []
     for sample in (s for g in groups for s in g):
         sglang = np.sort(sample.routed_experts, axis=-1)
-        hf = hf_routing(model, sample.prompt_ids + sample.response_ids[:-1])
+        hf, _ = hf_routing(model, sample.prompt_ids + sample.response_ids[:-1])
         assert hf.shape == sglang.shape
         aligned.append((hf == sglang).all(-1).ravel())
         shifted.append((hf[1:] == sglang[:-1]).all(-1).ravel())  # what an off-by-one would give

@@ -1,8 +1,8 @@
 """Stock SGLang on CUDA: a tiny dense and a tiny MoE Qwen3 served with log-probs, and weight sync into them
 by CUDA-IPC tensors and by NCCL broadcast.
 
-The CPU tier (tests/sglang/) cannot check either model kind on a GPU build, nor the MoE at all (SGLang's
-CPU backend gives NaN logits for Qwen3-MoE, README "Qwen3-MoE on CPU"), nor the two GPU transports.
+The CPU tier (tests/sglang/) cannot check either model kind on a GPU build (its MoE runs SGLang's native-torch
+CPU paths: tests/sglang/test_sglang_moe_cpu.py), nor the two GPU transports.
 Servers run in bf16, the production dtype, so log-probs are compared with transformers' float32
 recompute within bf16 tolerance (mean |diff| < 0.1 over the sampled tokens: bf16 keeps 8 bits, the
 log-probs are ~ -1..-10; a float32 CPU server gives ~3e-6; not yet measured on a GPU), and a sync is shown to deliver the new weights the way

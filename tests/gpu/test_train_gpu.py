@@ -45,7 +45,8 @@ def train_overrides(model_dir, run_dir, server_url: str, dtype: str = "bfloat16"
             f"rollout.server_urls={server_url}", "rollout.weight_sync=tensor", "rollout.concurrency=64",
             f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=2",
             "num_steps=2", "eval.interval=0", "gspo.prompts_per_step=4", "gspo.group_size=4",
-            "gspo.num_minibatches=2", "gspo.dynamic_sampling=false", f"reward.fn={REWARD}"]
+            "gspo.num_minibatches=2", "gspo.dynamic_sampling=false", f"reward.fn={REWARD}",
+            "reward.workers=1"]   # a user function needs a worker process (its time limit)
 
 
 def train(overrides: list[str], log_path: Path, extra_env: dict | None = None) -> str:

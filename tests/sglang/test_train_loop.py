@@ -122,6 +122,66 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model
     assert not left, [commands[p.pid][:200] for p in left]
 
 
+def command(process) -> str:
+    """The process's command line; "" for one that has ended (a zombie until its parent reaps it)."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ""
+
+
+def test_a_killed_server_fails_the_run_after_publishing_its_background_checkpoint(tiny_model_dir, tmp_path):
+    """The server dies (SIGKILL) while step 3's checkpoint, written in the background (the demo's
+    checkpoint.async_save), is not yet published (a background save is published at the next checkpoint,
+    step 6's). Rank 0's rollout or weight push fails; every rank raises RolloutFailed after publishing
+    step 3, so the same command run again resumes from step 3, not from scratch."""
+    import psutil
+
+    from megatron_gspo.rollout.sglang.server import remove_shm_files, shm_files_of_group
+
+    run_dir = tmp_path / "run"
+    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
+                 "checkpoint.interval=3", "num_steps=6", "eval.interval=0", "gspo.prompts_per_step=4",
+                 "gspo.group_size=4", "gspo.num_minibatches=2", "gspo.dynamic_sampling=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.cli", "train", str(REPO / "examples/tiny_cpu.yaml"),
+                             *overrides], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    latest = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
+    leftovers = {}
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 420
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):  # step 3 logged
+            assert proc.poll() is None and time.monotonic() < deadline, "step 3 never finished"
+            time.sleep(0.05)
+        servers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "sglang.launch_server" in command(p)]
+        assert servers, "no SGLang server among the run's processes"
+        group = os.getpgid(servers[0].pid)  # the server and its scheduler: a session of their own
+        leftovers = shm_files_of_group(group)  # what a killed SGLang leaves in /dev/shm (rollout/sglang/server.py)
+        os.killpg(group, signal.SIGKILL)
+        published_at_kill = latest.read_text().strip() if latest.exists() else None
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        remove_shm_files(leftovers)
+    assert published_at_kill is None, f"step {published_at_kill} was published before the kill: nothing was tested"
+    assert proc.returncode == 1, out[-6000:]
+    assert latest.exists() and latest.read_text().strip() == "3", sorted(p.name for p in (run_dir / "ckpt").iterdir())
+    assert not list((run_dir / "ckpt").glob("*.tmp"))
+    assert re.search(r"^megatron-gspo train: rank [01] failed: RolloutFailed: (rollout|weight push) failed on rank 0: ",
+                     out.splitlines()[-1]), out[-6000:]
+
+    resumed = train(*overrides)
+    assert f"resumed from {run_dir / 'ckpt'} at step 3" in resumed, resumed[-6000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert latest.read_text().strip() == "6"
+
+
 def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_path):
     """rollout.max_staleness=1: step k+1's batch is sampled during step k's training by weights one version
     old (rollout/staleness_*), pi_old is the sampler's; the batch generated ahead at a checkpoint is saved
@@ -168,7 +228,7 @@ def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model
     overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
                  "num_steps=4", "eval.interval=0", "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
                  "rollout.partial_rollout=true", "sampling.max_new_tokens=96", "reward.fn=reward_fns:first_token_odd",
-                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "reward.workers=1", "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]
     train(*overrides, path=f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}")  # the test reward's module
     records = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())

@@ -67,3 +67,13 @@ def first_token_odd(sample):
     """1.0 when the response's first token id is odd: varies within a group of a random model's samples,
     so a run with it learns (its advantages are not all zero)."""
     return float(sample.response_ids[0] % 2) if sample.response_ids else 0.0
+
+
+def hangs(sample):
+    """Never returns, whatever the response: a broken function. With sample.metadata["log"], first appends
+    the sample's index to that file (which samples a worker started)."""
+    if sample.metadata and "log" in sample.metadata:
+        with open(sample.metadata["log"], "a") as log:
+            log.write(f"{sample.sample_index}\n")
+    while True:
+        time.sleep(0.05)

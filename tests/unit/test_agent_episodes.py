@@ -234,8 +234,8 @@ def test_custom_episode_rewards_per_turn_storage_and_the_outcome_on_the_last_tur
     for s in group:
         assert [t.reward for t in s.turns] == [0.25, 0.5] and s.storage == {"first": "5"}
     # The outcome reward (here 1.0 for every sample) goes on the last turn; the sample's reward is the sum.
-    with RewardPool("agent_tools:one", workers=0) as pool:
-        asyncio.run(Scorer(pool, RewardConfig(fn="agent_tools:one", workers=0)).score([group]))
+    with RewardPool("agent_tools:one", workers=1) as pool:
+        asyncio.run(Scorer(pool, RewardConfig(fn="agent_tools:one", workers=1)).score([group]))
     assert [s.reward for s in group] == [1.75, 1.75] and [t.reward for t in group[0].turns] == [0.25, 1.5]
     # The reward function reads the whole trajectory, environment tokens included.
     assert group[0].response_text == "5again=7"

@@ -245,7 +245,7 @@ def test_yaml_off_is_the_word_off(tmp_path):
 
 def test_overlapped_rollouts_need_sglang_and_rollout_logprobs():
     with pytest.raises(ValueError, match="rollout.max_staleness must be 0 with rollout.backend=megatron"):
-        load_config(EXAMPLES / "tiny_moe_cpu.yaml", ["rollout.max_staleness=1"])  # the in-process backend
+        load_config(EXAMPLES / "tiny_moe_cpu.yaml", ["rollout.backend=megatron", "rollout.max_staleness=1"])
     with pytest.raises(ValueError, match="rollout.max_staleness > 0 needs gspo.old_logprobs=rollout"):
         load_config(TINY, ["rollout.max_staleness=1"])
     config = load_config(TINY, ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"])

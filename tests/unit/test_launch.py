@@ -32,3 +32,12 @@ def test_ranks_that_recorded_nothing(tmp_path):
     assert first_failure({3: killed}) == "rank 3 failed: killed by signal SIGKILL"
     assert first_failure({0: ProcessFailure(0, 7, 3, str(tmp_path / "none"))}) == (
         "rank 0 failed: exited with code 3 without recording an exception (see its output above)")
+
+
+def test_rank_0s_error_relayed_to_every_rank_is_named_as_rank_0s(tmp_path):
+    # Rank 0's scoring failed; every rank raised RolloutFailed with its message, rank 1's error file came first.
+    t = 1_700_000_000 * 10**9
+    relayed = "RolloutFailed: scoring failed on rank 0: RewardError: reward function 'f' failed on its first 4 samples"
+    failures = {0: ProcessFailure(0, 100, 1, recorded(tmp_path / "0.json", relayed, t + 9)),
+                1: ProcessFailure(1, 101, 1, recorded(tmp_path / "1.json", relayed, t + 5))}
+    assert first_failure(failures) == "rank 0 failed: RewardError: reward function 'f' failed on its first 4 samples"

@@ -81,6 +81,15 @@ def test_a_metric_outside_the_namespaces_is_refused(tmp_path):
         log.log(2, mismatch_metrics(torch.ones(len(MISMATCH_SUMS), dtype=torch.float64)))  # correction/*, every step
 
 
+def test_the_mismatch_metrics_are_in_a_namespace(tmp_path):
+    """Every recompute with the sampler's log-probs logs them (training/old_logprobs.py:set_old_logprobs)."""
+    from megatron_gspo.loss.correction import MISMATCH_SUMS, mismatch_metrics
+
+    metrics = mismatch_metrics(torch.ones(len(MISMATCH_SUMS), dtype=torch.float64))
+    with MetricsLogger(tmp_path) as log:
+        log.log(1, {"rollout_step": 1, **metrics})
+
+
 def test_legacy_names_map_to_distinct_namespaced_ones():
     current = list(LEGACY_NAMES.values())
     assert len(set(current)) == len(current) and all(name.startswith(NAMESPACES) for name in current)

@@ -108,3 +108,17 @@ def test_closing_a_queue_nothing_was_sent_to_ends_its_thread():
     for thread in [t for t in threading.enumerate() if t.name == "checkpoint-write-results"]:
         thread.join(timeout=5)
     assert threading.active_count() == before
+
+
+def test_megatrons_fallback_warnings_are_said_once_not_six_times():
+    """Importing the trainer shows none of Megatron-Core's six TE/apex fallback warnings (platform/quiet.py);
+    any other warning still shows, and FALLBACK_NOTE is the one line said instead."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, megatron_gspo.training.loop\n"
+            "from megatron_gspo.platform.quiet import fallbacks_in_use\n"
+            "warnings.warn('a real warning')\nprint(fallbacks_in_use())")
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, check=True)
+    assert "Falling back" not in out.stderr and "a real warning" in out.stderr, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"  # this CPU machine has neither TE nor apex

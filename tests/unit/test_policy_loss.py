@@ -584,3 +584,22 @@ def test_sequence_ids_are_validated():
     with pytest.raises(ValueError, match=r"sequence_ids must be \[4\] integers"):
         policy_loss(x, x, torch.zeros(2), torch.ones(4), None, sequence_ids=torch.tensor([0.0, 0, 1, 1]),
                     num_sequences=2)
+
+
+def test_ratio_spreads_by_response_length_bucket():
+    """loss/log_ratio_{token,seq}_std/len_A-B: the spreads of log w_t and log s_i over the responses whose
+    length lies in the bucket (here: 2 responses of 2 tokens, 1 of 20)."""
+    log_w = [[0.1, -0.1], [0.3, 0.1], [0.01 * t for t in range(20)]]
+    logp = torch.tensor([x for seq in log_w for x in seq])
+    old = torch.zeros_like(logp)
+    cu = torch.tensor([0, 2, 4, 24])
+    _, _, raw = policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), torch.ones_like(logp), cu)
+    s = summarize_metrics(reduce_metrics([raw]))
+    short = torch.tensor([0.1, -0.1, 0.3, 0.1], dtype=torch.float64)
+    assert s["loss/sequences/len_1-15"] == 2 and s["loss/sequences/len_16-63"] == 1
+    assert s["loss/log_ratio_token_std/len_1-15"] == pytest.approx(short.std(unbiased=False).item(), rel=1e-5)
+    assert s["loss/log_ratio_seq_std/len_1-15"] == pytest.approx(0.1, rel=1e-5)       # log s = 0.0 and 0.2
+    assert s["loss/log_ratio_seq_std/len_16-63"] == 0.0                               # one sequence
+    assert s["loss/log_ratio_token_std/len_16-63"] == pytest.approx(
+        torch.tensor(log_w[2], dtype=torch.float64).std(unbiased=False).item(), rel=1e-5)
+    assert "loss/sequences/len_64-255" not in s                                        # an empty bucket: no entry

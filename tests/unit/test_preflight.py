@@ -7,7 +7,7 @@ import pytest
 
 from megatron_gspo.config import load_config
 from megatron_gspo.data import DataError, write_arithmetic_data
-from megatron_gspo.training.preflight import preflight
+from megatron_gspo.training.preflight import check_reward, preflight
 from tests.tiny_hf import fake_hf_dir, make_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +46,25 @@ def test_data_and_reward_errors_come_before_any_work(tmp_path):
         preflight(config(tmp_path, f"eval.datasets.broken={bad}"))
     with pytest.raises(ValueError, match="eval.temperature must be > 0 with rollout.backend=megatron"):
         preflight(config(tmp_path, "rollout.backend=megatron", "eval.temperature=0"))
+
+
+def test_reward_workers_0_only_for_functions_known_to_finish(tmp_path):
+    # No time limit can be enforced in the trainer's thread: a user function or math there is refused, naming
+    # both settings and what to do, instead of a run that may hang silently.
+    fake_hf_dir(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"reward.workers=0 .*reward.timeout_s cannot be enforced.* "
+                                         r"reward.fn=tests.unit.reward_fns:hang_on_hang is not known to finish .*"
+                                         r"set reward.workers to 1 or more"):
+        preflight(config(tmp_path, "reward.fn=tests.unit.reward_fns:hang_on_hang", "reward.workers=0"))
+    with pytest.raises(ValueError, match=r"reward.workers=0 .*reward.fn=math is not known to finish \(math-verify "
+                                         r"can run forever .*\\boxed\{9\^\{9\^\{9\^\{9\}\}\}\}\): set reward.workers"):
+        preflight(config(tmp_path, "reward.fn=math", "reward.workers=0"))
+    preflight(config(tmp_path, "reward.fn=tests.unit.reward_fns:hang_on_hang", "reward.workers=1"))
+    # The demos score with bounded built-ins in the trainer's thread, and keep doing so.
+    for demo, fn in (("tiny_cpu.yaml", "exact_match"), ("tiny_long_cpu.yaml", "final_answer")):
+        reward = load_config(str(REPO / "examples" / demo), []).reward
+        assert (reward.fn, reward.workers) == (fn, 0)
+        check_reward(reward)
 
 
 def test_missing_model(tmp_path):
@@ -180,7 +199,7 @@ def test_resuming_at_or_past_num_steps_says_there_is_nothing_to_do_and_starts_no
     args = ["train", str(REPO / "examples/tiny_cpu.yaml"), f"model.hf_path={tmp_path / 'hf'}",
             f"logging.run_dir={tmp_path / 'run'}", f"data.train={base.data.train[0]}", f"checkpoint.dir={ckpt}"]
 
-    def started(*_):
+    def started(*_, **__):
         raise AssertionError("nothing may start")
     monkeypatch.setattr(preflight_module, "open_datasets", started)  # preflight's last, slowest part
     monkeypatch.setattr(launch, "run_torchrun", started)

@@ -1,5 +1,7 @@
 """RewardPool: worker processes score samples like direct calls, in parallel, and survive hangs,
-crashes and bad return values; check_batch; the score CLI."""
+crashes and bad return values; a function that fails on the first samples is given up on within about
+two timeouts, one hostile response costs only its own reward; workers=0 only for bounded built-ins;
+check_batch; the score CLI."""
 import os
 import subprocess
 import sys
@@ -10,32 +12,33 @@ import psutil
 import pytest
 
 from megatron_gspo.rewards.pool import RewardError, RewardPool, Score, check_batch
-from megatron_gspo.rewards.verifiers import math_reward
+from megatron_gspo.rewards.verifiers import BUILTIN
 from megatron_gspo.samples import Sample
 
 UNIT = Path(__file__).parent
 
 
-def sample(response, answer="7", index=0):
+def sample(response, answer="7", index=0, metadata=None):
     return Sample(group_id=5, sample_index=index, prompt_ids=[], response_ids=[], rollout_logprobs=[],
-                  finish_reason="stop", response_text=response, answer=answer)
+                  finish_reason="stop", response_text=response, answer=answer, metadata=metadata)
 
 
 def children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-@pytest.mark.parametrize("workers", [2, 0])  # 0: in this process
-def test_scores_match_direct_calls_in_order(workers):
+@pytest.mark.parametrize("fn, workers", [("math", 2), ("exact_match", 0)])  # 0: in this process
+def test_scores_match_direct_calls_in_order(fn, workers):
     samples = [sample(r, a, i) for i, (r, a) in enumerate([
         ("\\boxed{0.5}", "\\frac{1}{2}"), ("The answer is 7.", "7"), ("\\boxed{8}", "7"),
-        ("\\boxed{(1,2]}", "(1,2]"), ("nothing", "3")])]
+        ("\\boxed{(1,2]}", "(1,2]"), ("nothing", "3"), ("7", "7")])]
     before = children()
-    with RewardPool("math", workers=workers, timeout_s=10) as pool:
+    with RewardPool(fn, workers=workers, timeout_s=10) as pool:
         scores = pool.score(samples)
         assert len(children() - before) == workers
-    assert scores == [Score(math_reward(s), "ok") for s in samples]
-    assert [s.value for s in scores] == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert scores == [Score(BUILTIN[fn](s), "ok") for s in samples]
+    if fn == "math":
+        assert [s.value for s in scores] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
 
 
 def test_submit_returns_futures_at_once_and_two_workers_run_in_parallel():
@@ -84,11 +87,11 @@ def test_segfault_is_an_error():
     ("nan", "returned nan (need a finite number)"),
     ("text", "returned '1.0' of type str (need a number)"),
 ])
-@pytest.mark.parametrize("workers", [1, 0])
-def test_bad_functions_are_errors_and_the_worker_survives(fn, detail, workers):
-    with RewardPool(f"reward_fns:{fn}", workers=workers, timeout_s=5) as pool:
-        scores = pool.score([sample("x"), sample("y")])
-        assert scores == [Score(0.0, "error", detail)] * 2 and pool.replacements == 0
+def test_bad_functions_are_errors_and_the_worker_survives(fn, detail):
+    # 3 failures of 2 workers: fewer than the 4 (2 x workers) that give up on the function
+    with RewardPool(f"reward_fns:{fn}", workers=2, timeout_s=5) as pool:
+        scores = pool.score([sample("x"), sample("y"), sample("z")])
+        assert scores == [Score(0.0, "error", detail)] * 3 and pool.replacements == 0
 
 
 @pytest.mark.parametrize("workers", [1, 0])
@@ -108,7 +111,7 @@ def test_stdout_noise_does_not_break_the_protocol():
         assert pool.score([sample("x")] * 3) == [Score(0.5, "ok")] * 3
 
 
-@pytest.mark.parametrize("workers", [2, 0])
+@pytest.mark.parametrize("workers", [2, 1])
 def test_load_failure_raises_at_construction_and_leaves_no_process(workers):
     before = children()
     with pytest.raises(RewardError, match="'reward_fns:missing' cannot be loaded: .*no attribute 'missing'"):
@@ -174,3 +177,65 @@ def test_math_on_a_power_tower_times_out_instead_of_hanging():
     with RewardPool("math", workers=1, timeout_s=0.5) as pool:
         scores = pool.score([sample("\\boxed{9^{9^{9^{9}}}}"), sample("\\boxed{7}")])
     assert [s.status for s in scores] == ["timeout", "ok"] and scores[1].value == 1.0
+
+
+def test_a_function_that_always_hangs_is_given_up_on_within_two_timeouts(tmp_path):
+    # 2 workers, 1 s each: samples 0-1 time out at ~1 s, 2-3 at ~2 s (after the replacements start), and
+    # the 4th failure in a row (2 x workers) gives up: the 12 queued samples are never run.
+    log = tmp_path / "started"
+    samples = [sample("x", index=i, metadata={"log": str(log)}) for i in range(16)]
+    before = children()
+    with RewardPool("reward_fns:hangs", workers=2, timeout_s=1) as pool:
+        start = time.perf_counter()
+        futures = pool.submit(samples)
+        with pytest.raises(RewardError) as info:
+            [f.result() for f in futures]
+        took = time.perf_counter() - start
+        assert took < 3.0, took   # before: 16 x 1 s / 2 workers = 8 s, then every sample a timeout
+        assert sum(not f.exception() for f in futures) == 3   # 3 timeouts; the 4th and every other sample raise
+        assert all(f.exception() is info.value for f in futures if f.exception())
+        assert pool.failure is info.value
+        with pytest.raises(RewardError):   # and so does anything submitted later
+            pool.score([sample("z")])
+        time.sleep(1.2)   # past a timeout: nothing queued starts after the pool gave up
+        started = [int(i) for i in log.read_text().split()]
+        assert len(started) <= 6 and set(started) <= {0, 1, 2, 3, 4, 5}, started  # at most 1 in flight per worker
+    assert children() <= before
+    message = str(info.value)
+    assert message.startswith("reward function 'reward_fns:hangs' failed on its first 4 samples in a row "
+                              "(4 timed out after 1 s): is it broken?"), message
+    assert "megatron-gspo score --fn reward_fns:hangs" in message
+    assert "First failure: group 5 sample " in message and "timeout: no result within 1 s" in message
+
+
+@pytest.mark.parametrize("workers", [2, 0])   # 0: final_answer scored in this process
+def test_a_function_that_always_errors_is_given_up_on_at_once(workers):
+    # final_answer raises ValueError on a reference answer that is not an integer (as a broken function
+    # raises on every sample): 2 x max(workers, 1) errors in a row, the rest never scored.
+    samples = [sample("answer: 7", answer="seven", index=i) for i in range(64)]
+    with RewardPool("final_answer", workers=workers, timeout_s=5) as pool:
+        start = time.perf_counter()
+        futures = pool.submit(samples)
+        with pytest.raises(RewardError, match=rf"'final_answer' failed on its first {2 * max(workers, 1)} samples "
+                                              rf"in a row \({2 * max(workers, 1)} errors\).*First failure: group 5 "
+                                              r"sample \d+ \(response 'answer: 7'\): error: raised ValueError"):
+            [f.result() for f in futures]
+        assert time.perf_counter() - start < 1.0
+        assert sum(not f.exception() for f in futures) == 2 * max(workers, 1) - 1
+
+
+def test_one_hostile_response_costs_only_its_own_reward():
+    # First sample hostile, then fine: one failure of the 2 that would give up (workers=1).
+    with RewardPool("reward_fns:hang_on_hang", workers=1, timeout_s=0.3) as pool:
+        assert [s.status for s in pool.score([sample("hang"), sample("a"), sample("b")])] == ["timeout", "ok", "ok"]
+        # Later in the run even several in a row only cost their own rewards: the function has worked.
+        statuses = [s.status for s in pool.score([sample("hang"), sample("hang"), sample("hang"), sample("c")])]
+        assert statuses == ["timeout", "timeout", "timeout", "ok"] and pool.failure is None
+
+
+def test_workers_0_only_for_functions_known_to_be_bounded():
+    # In the calling thread no time limit can be enforced: math (SymPy can hang) and user functions need workers.
+    for fn in ("math", "reward_fns:hang_on_hang"):
+        with pytest.raises(ValueError, match=rf"workers=0 .*no time limit can be enforced: only for exact_match, "
+                                             rf"final_answer, none, not '{fn}' \(use workers >= 1\)"):
+            RewardPool(fn, workers=0)

@@ -1,7 +1,8 @@
 """The rollout side of a step (rollout/manager.py): batches, weight sync, and what a stop signal changes.
 
 One process in a gloo world of one (the collectives are then identities): a fake backend stands in for
-SGLang or the in-process sampler.
+SGLang or the in-process sampler. That rank 0's failure reaches the other ranks is tested with two
+processes in tests/distributed/test_checkpoint_recovery.py.
 """
 import dataclasses
 import itertools
@@ -17,7 +18,7 @@ from megatron_gspo.config import RolloutConfig
 from megatron_gspo.config import GSPOConfig, ModelConfig, RewardConfig, TrainConfig
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.scoring import Scorer
-from megatron_gspo.rollout.protocol import RolloutStats
+from megatron_gspo.rollout.protocol import RolloutFailed, RolloutStats
 from megatron_gspo.rollout.sglang.client import RolloutError
 from megatron_gspo.rollout.manager import Ended, Rollout, staleness_metrics
 from megatron_gspo.net import free_port
@@ -141,14 +142,34 @@ def test_a_batch_from_the_stream_position_with_its_metrics():
     assert metrics["rollout/tokens_per_s"] == 6.0 and metrics["rollout/response_length_mean"] == 1.0
 
 
-def test_a_failure_raises_unless_a_stop_signal_came_first():
+def test_a_failure_is_every_ranks_rollout_failed_unless_a_stop_signal_came_first():
     broken = Backend(fail=RolloutError("server gone"))
-    with pytest.raises(RolloutError, match="server gone"):
+    with pytest.raises(RolloutFailed, match="^rollout failed on rank 0: RolloutError: server gone$"):
         make_rollout(broken, stop()).generate(0)
     assert make_rollout(broken, stop("SIGTERM")).generate(0) == Ended("signal")  # interrupted, plainly
-    # the trained model as sampler has no servers that a signal could take down: always an error
+    # the trained model as sampler has no servers that a signal could take down: always an error, its own
     with pytest.raises(RolloutError):
         make_rollout(Backend(collective=True, fail=RolloutError("bug")), stop("SIGTERM")).generate(0)
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["servers", "trained_model"])
+def test_a_broken_reward_function_is_every_ranks_rollout_failed(collective):
+    # Only rank 0 scores, with either backend (the trained model's scorer broadcasts rank 0's rewards).
+    with RewardPool("tests.unit.reward_fns:raises", workers=1) as pool:
+        scorer = Scorer(pool, RewardConfig(fn="tests.unit.reward_fns:raises"), collective=collective)
+        rollout = Rollout(Backend(collective=collective), Prompts(), scorer, CONFIG, stop())
+        what = "rollout" if not collective else "scoring"
+        with pytest.raises(RolloutFailed, match=f"^{what} failed on rank 0: RewardError: reward function "
+                                                "'tests.unit.reward_fns:raises' failed on its first 2 samples"):
+            rollout.generate(0)
+
+
+def test_a_failed_evaluation_is_every_ranks_rollout_failed_or_no_results_after_a_stop_signal():
+    eval_sets = {"held_out": [Prompt(group_id=0, prompt_ids=[9], answer="1")]}
+    broken = Backend(fail=RolloutError("server gone"))
+    with pytest.raises(RolloutFailed, match="^evaluation failed on rank 0: RolloutError: server gone$"):
+        make_rollout(broken, stop(), eval_sets=eval_sets).evaluate()
+    assert make_rollout(broken, stop("SIGTERM"), eval_sets=eval_sets).evaluate() == {}
 
 
 def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
@@ -168,8 +189,16 @@ def test_weight_sync_walks_the_whole_export_and_reports_an_interruption():
     walked.clear()
     broken = make_rollout(Backend(fail=RuntimeError("refused")), stop("SIGTERM"))
     assert broken.sync_weights(export, "5") is False and walked == ["a", "b", "c"]
-    with pytest.raises(RuntimeError, match="refused"):
+    walked.clear()
+    with pytest.raises(RolloutFailed, match="^weight push failed on rank 0: RuntimeError: refused$"):
         make_rollout(Backend(fail=RuntimeError("refused")), stop()).sync_weights(export, "5")
+    assert walked == ["a", "b", "c"]  # the push failed: rank 0 still walked the export with the others
+
+    def failing_export():  # a collective of the walk fails: this rank's own error, raised as it is
+        yield "a", None
+        raise ValueError("gather failed")
+    with pytest.raises(ValueError, match="gather failed"):
+        make_rollout(Backend(), stop()).sync_weights(failing_export, "5")
     walked.clear()
     assert make_rollout(Backend(collective=True), stop()).sync_weights(export, "6") is True
     assert walked == []  # the trained model samples: nothing to export

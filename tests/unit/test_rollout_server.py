@@ -61,6 +61,19 @@ def test_every_server_setting_comes_from_the_rollout_config(tmp_path):
     assert "--max-total-tokens" not in cuda             # SGLang's own KV-cache size on CUDA
 
 
+def test_a_runs_servers_follow_its_config(tmp_path):
+    from megatron_gspo.config import load_config
+    from megatron_gspo.rollout.sglang.backend import server_config
+
+    (tmp_path / "hf").mkdir()
+    base = [f"model.hf_path={tmp_path / 'hf'}", "model.dtype=float32", f"logging.run_dir={tmp_path / 'run'}"]
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+    config = server_config(load_config(tiny, base))
+    assert (config.dtype, config.return_routed_experts, config.weight_version) == ("float32", False, "0")
+    assert config.log_dir == str(tmp_path / "run" / "sglang_logs")
+    assert server_config(load_config(tiny, [*base, "rollout.server_dtype=bfloat16"])).dtype == "bfloat16"
+
+
 def test_server_that_exits_reports_its_log_tail(tmp_path):
     python = fake_python(tmp_path, 'echo "RuntimeError: model is broken"; exit 3\n')
     server = SGLangServer(ServerConfig(model_path=str(tmp_path), settings=RolloutConfig(), device="cpu", dtype=None,

@@ -126,7 +126,7 @@ def test_train_runs_this_nodes_share_of_the_ranks(train_args, monkeypatch):
     from megatron_gspo.training import launch
 
     launched = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: launched.update(cmd=args) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, **_: launched.update(cmd=args) or 0)
     assert cli.main(["train", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "n1",
                      "--master-port", "29123", *train_args]) == 0
     cmd = launched["cmd"]

@@ -5,7 +5,7 @@
 
 The same answer as the SGLang client (`rollout/sglang/client.py`): one list of G `Sample`s per prompt, in
 order, each with a log-prob for every response token, a finish reason and the weight version. It
-needs no server, so it serves Qwen3-MoE on CPU (where SGLang gives NaN) and small colocated runs.
+needs no server: small colocated runs, dense or MoE.
 
 Shapes: B rows (one sequence being generated each), S positions, V this rank's vocabulary shard.
 

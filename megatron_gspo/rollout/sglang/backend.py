@@ -124,8 +124,14 @@ def start_sglang(config: TrainConfig) -> list[SGLangServer]:
     the driver calls this first, so that their start-up overlaps Megatron's (SGLangBackend waits)."""
     r = config.rollout
     print(f"starting {r.num_servers} SGLang server(s) on {config.model.hf_path} ...", flush=True)
-    return start_servers(ServerConfig(
-        model_path=config.model.hf_path, settings=r, device="cuda" if torch.cuda.is_available() else "cpu",
-        dtype=config.model.dtype, weight_version="0", return_routed_experts=config.gspo.routing_replay == "rollout",
-        log_dir=str(Path(config.logging.run_dir) / "sglang_logs")), r.num_servers)
+    return start_servers(server_config(config), r.num_servers)
 
+
+def server_config(config: TrainConfig) -> ServerConfig:
+    """How a run launches its servers: the rollout settings, this machine's device, rollout.server_dtype (else
+    model.dtype), weight version 0, the routed experts R3 needs, logs under logging.run_dir."""
+    r = config.rollout
+    return ServerConfig(model_path=config.model.hf_path, settings=r, device="cuda" if torch.cuda.is_available() else "cpu",
+                        dtype=r.server_dtype or config.model.dtype, weight_version="0",
+                        return_routed_experts=config.gspo.routing_replay == "rollout",
+                        log_dir=str(Path(config.logging.run_dir) / "sglang_logs"))

@@ -4,7 +4,8 @@ A server runs in its own process group (SGLang forks a scheduler and a detokeniz
 is SIGTERM to the group, then SIGKILL after a grace period: no orphan keeps a port or memory; the
 files SGLang leaves in /dev/shm (its own, found through its processes) are removed after it.
 If the process that started a server dies without stopping it (SIGKILL, OOM), the kernel kills the
-server too (Linux parent-death signal; SGLang's own children already follow their parent that way).
+server too (Linux parent-death signal, platform/lifetime.py; SGLang's own children follow their parent
+that way).
 On CPU the server runs from the SGLang virtual environment (scripts/setup_sglang.sh) with the import
 stand-ins of `platform/sglang_cpu_stubs/` on its PYTHONPATH; the trainer only talks HTTP to it and never
 imports SGLang.
@@ -12,7 +13,6 @@ imports SGLang.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -30,6 +30,7 @@ from typing import Iterator, Literal
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.net import auth_headers, server_port
+from megatron_gspo.platform.lifetime import parent_death_preexec
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CPU_STUBS_DIR = Path(__file__).resolve().parents[2] / "platform" / "sglang_cpu_stubs"
@@ -180,7 +181,7 @@ class SGLangServer:
             self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True,
-                                            preexec_fn=_parent_death_kill(os.getpid()) if die_with_parent else None)
+                                            preexec_fn=parent_death_preexec() if die_with_parent else None)
         self._started_at = time.monotonic()
         return self
 
@@ -260,20 +261,6 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _parent_death_kill(parent_pid: int):
-    """A preexec_fn: the kernel sends SIGKILL to the child when its parent (thread) dies."""
-    def preexec():
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(126)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(126)
-    return preexec
 
 
 def _group_alive(pgid: int) -> bool:
