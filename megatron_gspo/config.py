@@ -286,8 +286,8 @@ class RolloutConfig:
     turns_per_request: int = 64
     """Episodes' model turns asked for at the same moment go together in one /generate request (SGLang's batch
     form, a list of contexts), at most this many; 1: one request per turn. A turn is short, so SGLang's
-    per-request cost (HTTP front end, tokenizer manager) dominates it on CPU: the demo's rollout of 24 prompts x
-    16 episodes took 25-35 s with one request per turn (~600 requests; docs/agents.md has the measured gain)."""
+    per-request cost (HTTP front end, tokenizer manager) dominates it on CPU (the agent demo's rollout of 16
+    prompts x 16 episodes is ~500 turns: one request each with 1)."""
     tool_parser: Literal["qwen3"] = "qwen3"
     """How tool calls are read from a model turn: qwen3 (Qwen3's and Hermes' format, one
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call; rollout/agent/tools.py)."""
