@@ -16,6 +16,7 @@ ROW = re.compile(rf"^(tp1|tp2)\s+(train|recompute)\s+{N}{A}{N}\s+{N}{A}{N}\s+{N}
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a benchmark smoke run: ~45-55 CPU-s
 def test_small_run_packs_and_agrees():
     args = ["--layouts", "tp1,tp2", "--reps", "1", "--responses", "16", "--group-size", "4", "--median-len", "6",
             "--sigma", "1.5", "--max-len", "96", "--max-tokens", "512"]

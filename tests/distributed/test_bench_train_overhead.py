@@ -34,6 +34,7 @@ def parse(output: str):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a benchmark smoke run: ~45-55 CPU-s
 def test_quick_run_prints_the_overhead_table():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=180)

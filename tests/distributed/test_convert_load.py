@@ -45,7 +45,7 @@ def workdir(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc", LAUNCHES)
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: ~60 CPU-s
 def test_converted_checkpoint_loads_and_matches_transformers(workdir, nproc):
     steps = LAUNCHES[nproc]
     run_checks(WORKER, nproc, workdir, *steps, checks=sum(steps.values()), timeout=300)

@@ -13,7 +13,7 @@ WORKER = Path(__file__).parent / "workers" / "cp_attention_worker.py"
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("cp_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_attention_matches_full_sequence_reference(cp_size):
     # cp=1 vs Megatron, the module alone (MHA, GQA, GQA + padding), packed rows at cp=1 and cp=world,
     # GPTModel (rotary, logits, grads), refusals

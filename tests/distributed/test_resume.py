@@ -18,7 +18,7 @@ CASES = {
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp2", "ep2_moe_routing_replay", "tp2_async_save",
+@pytest.mark.parametrize("name", [pytest.param("tp2", marks=pytest.mark.slow), "ep2_moe_routing_replay", "tp2_async_save",
                                   pytest.param("dp2_distributed_optimizer", marks=pytest.mark.slow)])
 def test_interrupted_run_resumes_exactly(tmp_path, name):
     run_checks(WORKER, 2, tmp_path, "run", *CASES[name].split(), checks=3 if name.endswith("async_save") else 1,

@@ -37,16 +37,21 @@ def reference(tmp_path_factory):
     return workdir
 
 
-SLOW = {"packed_microbatches4", "packed_cp2", "packed"}
-"""Packed-row layouts beyond EP2 (-m slow): each path of packed rows with replay runs in the default suite at EP2."""
+SLOW = {"packed_microbatches4", "packed_cp2", "microbatches4"}
+"""In the slow tier (-m slow): packed-row layouts beyond EP2 (each path of packed rows with replay runs in the
+default suite at EP2) and one process with 4 micro-batches (EP2 with 4 micro-batches stays). ~25-40 CPU-s a
+launch."""
+ROLLOUT_SLOW = {"packed", "tp2", "pp2"}
+"""In the slow tier: one packed process, and TP2 and PP2 of R3 with the Megatron sampler (EP2, CP2 and packed
+EP2 stay; TP (TP2xEP2) and PP replay run in the default suite with `old`)."""
 
 
-def layouts(names):
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+def layouts(names, slow):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", layouts(LAYOUTS))
+@pytest.mark.parametrize("name", layouts(LAYOUTS, SLOW))
 def test_routing_replay_matches_tp1_reference(reference, name):
     nproc, args = LAYOUTS[name]
     packed = "packed=1" in args.split()  # one more check: responses are packed several to a row
@@ -72,7 +77,7 @@ def rollout_reference(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", layouts(ROLLOUT_LAYOUTS))
+@pytest.mark.parametrize("name", layouts(ROLLOUT_LAYOUTS, ROLLOUT_SLOW))
 def test_rollout_routing_replay_with_the_megatron_sampler(rollout_reference, name):
     """gspo.routing_replay=rollout: the sampler's recorded routing (same at every layout), replayed by the trainer."""
     nproc, args = ROLLOUT_LAYOUTS[name]

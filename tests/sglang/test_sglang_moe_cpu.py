@@ -180,6 +180,7 @@ MISALIGNED_CHANGED = 0.3
 (or layers) rarely pick the same pair. Measured: shifted 0.90, layers swapped 0.97 (128 response tokens)."""
 
 
+@pytest.mark.slow  # the replay itself is checked position by position above; this is the whole run
 def test_train_ep2_replays_sglang_routing(moe_server, moe_dir, tmp_path):
     """`megatron-gspo train` of the MoE example at EP2 (2 processes, 4 experts each) on this server with
     gspo.routing_replay=rollout: 2 rollout steps of 2 mini-batches. Every step's recompute (before its

@@ -81,7 +81,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     assert results["eval/held_out/prompts"] == 10 and 0 <= results["eval/held_out/mean@4"] <= results["eval/held_out/pass@4"] <= 1
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model_dir, tmp_path, sig):
     """SIGTERM/SIGINT to `megatron-gspo train` (torchrun runs in its process and passes the signal to the
     ranks): the run finishes its step, checkpoints it (the interval alone would not: 100), stops the
