@@ -83,6 +83,8 @@ def run_variant(config: str, hf_dir: Path, workdir: Path, steps: int, interval: 
     out["sync_wait_s"] = statistics.mean(r[0].get("time/sync_wait_s", 0.0) for r in measured)
     out["wall_s"] = wall
     out["reward_mean"] = statistics.mean(r[0]["reward/mean"] for r in measured)
+    out["response_length_mean"] = statistics.mean(r[0]["rollout/response_length_mean"] for r in measured)
+    out["env_token_fraction"] = statistics.mean(r[0].get("rollout/env_token_fraction", 0.0) for r in measured)
     for key in sorted({k for r in measured for k in r[0] if k.startswith("profile/")}):
         out[key] = statistics.mean(r[0].get(key, 0.0) for r in measured)  # a part absent in a step took 0
     return out

@@ -3,7 +3,7 @@
 Commands: `train` (the GSPO loop under torchrun; also one node of a multi-node run), `serve` (one SGLang
 server in the foreground, for rollout nodes), `wait-servers` (until given servers answer), `plot`
 (metrics PNG of a run directory), `tiny-model` (the demo's tiny Qwen3, optionally format-warm-started),
-`rollout` (offline rollouts from SGLang servers into a samples JSONL file), `score` (one response through a
+`rollout` (offline rollouts from SGLang servers into a samples JSONL file; plain single-turn), `score` (one response through a
 reward function in the reward pool: the way to debug a verifier; rewards/cli.py), `make-data` (the demo
 tasks' prompt files), `eval` (a checkpoint on the config's eval datasets; training/evaluate_checkpoint.py).
 """
@@ -253,9 +253,11 @@ def run_plot(args) -> int:
 def _tiny_model_parser(sub) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--warm-start", choices=("arithmetic", "long_addition"), help="supervised format warm-start "
-                   "for this task, with random answers: reward at chance (arithmetic: one random digit; "
-                   "long_addition: the worked lines with random digits; megatron_gspo/dev/warm_start.py)")
+    p.add_argument("--warm-start", choices=("arithmetic", "long_addition", "tool_use"), help="supervised format "
+                   "warm-start for this task, with random answers: reward at chance (arithmetic: one random digit; "
+                   "long_addition: the worked lines with random digits; tool_use: the multiplication task's calculator "
+                   "calls with random operands, or a random answer; megatron_gspo/dev/warm_start.py). tool_use makes "
+                   "the model with the tool demo's tokenizer (dev/tiny_model.py TinyQwen3Spec.tools)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
                    "Qwen3 (examples/tiny_moe_cpu.yaml): SGLang serves it on CPU in float32 with transformers' "
@@ -265,9 +267,10 @@ def _tiny_model_parser(sub) -> None:
 
 def run_tiny_model(args) -> int:
     from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-    from megatron_gspo.dev.warm_start import warm_start_format, warm_start_long_addition
+    from megatron_gspo.dev.warm_start import warm_start_format, warm_start_long_addition, warm_start_tool_use
 
-    out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed, num_experts=4 if args.moe else 0))
+    out = make_tiny_qwen3(args.out, TinyQwen3Spec(seed=args.seed, num_experts=4 if args.moe else 0,
+                                                  tools=args.warm_start == "tool_use"))
     if args.warm_start == "arithmetic":
         digit_fraction = warm_start_format(out, seed=args.seed)
         print(f"format warm-start: {digit_fraction:.0%} of greedy answers are one digit")
@@ -275,6 +278,11 @@ def run_tiny_model(args) -> int:
         format_rate, accuracy = warm_start_long_addition(out, seed=args.seed)
         print(f"format warm-start: {format_rate:.0%} of greedy responses state an answer, {accuracy:.0%} right "
               "(chance: 1%)")
+    elif args.warm_start == "tool_use":
+        rates = warm_start_tool_use(out, seed=args.seed)
+        print(f"format warm-start: with the tool in the prompt {rates['call_rate']:.0%} of sampled episodes call it, "
+              f"{rates['relay']:.0%} of those relay its result; right {rates['accuracy_with_tool']:.0%} with the tool, "
+              f"{rates['accuracy_without_tool']:.0%} without (chance: ~3% and ~0%)")
     print(out)
     return 0
 
@@ -327,19 +335,22 @@ def run_config(args) -> int:
 
 def _make_data_parser(sub) -> None:
     p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
-    p.add_argument("task", choices=("arithmetic", "long_addition"),
+    p.add_argument("task", choices=("arithmetic", "long_addition", "multiplication"),
                    help="arithmetic: the 55 single-digit sums, 45 train / 10 test (reward exact_match); "
                         "long_addition: the 3240 two-digit sums a+b<=99, 3040 train / 200 test, answered "
-                        "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py)")
+                        "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py); "
+                        "multiplication: the 36 products of two 2-3 digit numbers, 30 train / 6 test, for the "
+                        "calculator tool (reward final_answer; megatron_gspo/data/multiplication.py)")
     p.add_argument("out", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     p.set_defaults(func=run_make_data)
 
 
 def run_make_data(args) -> int:
-    from megatron_gspo.data import write_arithmetic_data, write_long_addition_data
+    from megatron_gspo.data import write_arithmetic_data, write_long_addition_data, write_multiplication_data
 
-    write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data}[args.task]
+    write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data,
+             "multiplication": write_multiplication_data}[args.task]
     for path in write(args.out, seed=args.seed):
         print(path)
     return 0

@@ -204,13 +204,14 @@ class RolloutConfig:
     G samples from the cached prefix: tokenizer_manager.py:_handle_batch_request). copies: the prompt G times
     with n = 1 (SGLang hands the G copies to its scheduler in one message, no warm-up; each copy prefills its
     prompt unless the radix cache shares it). Copies win where prompts are short or the radix cache is off
-    (the CPU demo: rollout 0.84x the time); n where long prompts share a prefill."""
+    (the CPU demo: rollout 0.84x the time); n where long prompts share a prefill. Single-turn rollouts only
+    (an episode's turns are one continuation each: rollout.turns_per_request)."""
     groups_per_request: int = 1
     """Groups sent together in one /generate request (SGLang's batch form: a list of prompts). 1: each group
     on its own, scored the moment it finishes and retried alone. More: fewer requests for SGLang's HTTP
     front end and tokenizer manager to handle (their per-request cost dominates short responses: the demo's
     16 groups x 16 samples of 4 tokens in one request took 0.83x the time of 16 requests), but a request's
-    groups are scored only when all of them are done, and retried together."""
+    groups are scored only when all of them are done, and retried together. Single-turn rollouts only."""
     weight_sync: Literal["disk", "tensor", "broadcast"] = "disk"
     """How new weights reach the servers after each step: disk (rank 0 writes an HF checkpoint
     under run_dir/weights that the servers read; needs a file system they share), tensor (shared
@@ -269,10 +270,61 @@ class RolloutConfig:
     GSPO.md); the tokens after them, by the new weights, train (SGLang's meta_info.weight_versions tells
     them apart). Long generations then never hold a push back; rollout/stale_prefix_fraction reports the
     share of response tokens not trained."""
+    tools: tuple[str, ...] = ()
+    """Python functions the model may call, as `package.module:function` (docs/agents.md): each one's JSON
+    schema comes from its signature and docstring (transformers' get_json_schema), the chat template renders
+    them into every prompt (`apply_chat_template(..., tools=...)`), the model's calls are parsed
+    (rollout.tool_parser) and run in sandboxed worker processes (rollout.tool_workers, rollout.tool_timeout_s)
+    and each result goes back as a `tool` message, up to rollout.max_turns model turns. Non-empty: every
+    rollout is a multi-turn episode (the built-in tool episode, or rollout.episode_fn with these tools)."""
+    episode_fn: str | None = None
+    """A custom episode, `package.module:function`: `async def episode(ep) -> None` drives the model's turns
+    (`await ep.generate()`), appends the environment's tokens (`ep.append(...)`), attaches rewards per turn
+    (`ep.add_reward(x)`) and stores what the reward function needs (`ep.storage`): environments, games,
+    user simulators (rollout/agent/episode.py, docs/agents.md). None: the tool episode when rollout.tools
+    is set, else single-turn rollouts."""
+    turns_per_request: int = 64
+    """Episodes' model turns asked for at the same moment go together in one /generate request (SGLang's batch
+    form, a list of contexts), at most this many; 1: one request per turn. A turn is short, so SGLang's
+    per-request cost (HTTP front end, tokenizer manager) dominates it on CPU (the agent demo's rollout of 16
+    prompts x 16 episodes is ~500 turns: one request each with 1)."""
+    tool_parser: Literal["qwen3"] = "qwen3"
+    """How tool calls are read from a model turn: qwen3 (Qwen3's and Hermes' format, one
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call; rollout/agent/tools.py)."""
+    max_turns: int = 8
+    """Most model turns of one episode; past it the episode ends (its last turn's tool calls are not run)."""
+    tool_timeout_s: float = 10.0
+    """Longest one tool call may take; past it its worker is killed and replaced and the model is told
+    the call timed out (counted in rollout/tool_errors)."""
+    tool_workers: int = 2
+    """Worker processes running tool calls (the reward pool's kind: rewards/pool.py). Sandboxing is the
+    point of them: tools never run in the trainer's process."""
+    max_context_tokens: int | None = None
+    """Longest prompt + episode, in tokens: a model turn gets at most what is left of it as max_new_tokens
+    (and sampling.max_new_tokens at most); when nothing is left, or the environment's tokens would fill it,
+    the episode ends with finish reason "length". None: the model's max_position_embeddings (SGLang's
+    context length) less the 6 tokens SGLang keeps back (rollout/sglang/backend.py SGLANG_CONTEXT_RESERVE); more
+    than that is refused at start. Episodes only (single-turn rollouts: sampling.max_new_tokens)."""
 
     def __post_init__(self):
         _positive("rollout", self, "num_servers", "concurrency", "groups_per_request", "max_attempts",
-                  "max_server_failures")
+                  "max_server_failures", "max_turns", "tool_workers", "turns_per_request")
+        _check(self.tool_timeout_s > 0, "rollout.tool_timeout_s", "must be > 0", self.tool_timeout_s)
+        if self.max_context_tokens is not None:
+            _positive("rollout", self, "max_context_tokens")
+        _check(all(":" in spec for spec in self.tools), "rollout.tools", "must name functions as "
+               "package.module:function", list(self.tools))
+        _check(self.episode_fn is None or ":" in self.episode_fn, "rollout.episode_fn",
+               "must name a function as package.module:function", self.episode_fn)
+        if self.episodes:
+            _check(self.backend == "sglang", "rollout.backend", "must be sglang with rollout.tools or "
+                   "rollout.episode_fn (episodes are driven turn by turn over SGLang's HTTP API, token in / token "
+                   "out; the in-process sampler generates whole batches collectively on every trainer rank)",
+                   self.backend)
+            _check(not self.partial_rollout, "rollout.partial_rollout", "is not supported with rollout.tools or "
+                   "rollout.episode_fn (a weight push into an episode would change the policy between its turns; "
+                   "overlapped rollouts without it are: every episode of a batch is sampled by one weight version)",
+                   self.partial_rollout)
         for name in ("request_timeout_s", "connect_timeout_s", "server_startup_timeout_s"):
             _check(getattr(self, name) > 0, f"rollout.{name}", "must be > 0", getattr(self, name))
         _check(self.retry_backoff_s >= 0, "rollout.retry_backoff_s", "must be >= 0", self.retry_backoff_s)
@@ -288,6 +340,11 @@ class RolloutConfig:
         if self.backend == "megatron":
             _check(not self.server_urls, "rollout.server_urls", "must be empty with backend=megatron",
                    self.server_urls)
+
+    @property
+    def episodes(self) -> bool:
+        """Rollouts are multi-turn episodes (rollout.tools or rollout.episode_fn)."""
+        return bool(self.tools) or self.episode_fn is not None
 
 
 CorrectionMode = Literal["off", "token", "sequence", "geometric"]
@@ -396,9 +453,11 @@ class RewardConfig:
 
     fn: str = "math"
     """math (Hugging Face math-verify: LaTeX, fractions, \\boxed{}, intervals, sets), exact_match (stripped
-    strings equal), final_answer (the integer on the last "answer: N" line), or `package.module:function`
-    taking a Sample (prompt, response_text, answer, metadata) and returning a float (or raising
-    megatron_gspo.rewards.Unparsed: scored 0, counted in reward/unparsed_fraction)."""
+    strings equal), final_answer (the integer on the last "answer: N" line), none (0: with rollout.episode_fn,
+    whose ep.add_reward gives every reward), or `package.module:function` taking a Sample (prompt,
+    response_text, answer, metadata; of an episode also turns, tool_calls, storage) and returning a float (or
+    raising megatron_gspo.rewards.Unparsed: scored 0, counted in reward/unparsed_fraction). In an episode
+    this outcome reward attaches to the last model turn (docs/agents.md)."""
     workers: int = 2
     """Worker processes scoring in parallel (a hung or crashed one is killed and replaced). 0: score in the
     trainer's rollout thread, no process, no time limit: only for the built-ins known to finish quickly
@@ -529,6 +588,19 @@ class LoggingConfig:
     """Time each rollout step's named parts on every rank (megatron_gspo/profiling.py) and log them as
     profile/PART/rank0_s and profile/PART/others_max_s (benchmarks/step.py --profile prints the table).
     Costs one gather per step and a timer around each torch.distributed collective."""
+    save_rollouts: bool | int = False
+    """Write each rollout step's trained samples to run_dir/rollouts/step_NNNNNN.jsonl (rollout/jsonl.py
+    write_rollouts: prompt, trajectory text, response_ids, loss_mask, the sampler's log-probs, turns with their
+    rewards, tool calls and errors, reward and advantage): true every step, N every N steps, false off."""
+
+    def __post_init__(self):
+        _check(self.save_rollouts >= 0, "logging.save_rollouts", "must be true, false or a number of steps >= 1",
+               self.save_rollouts)
+
+    @property
+    def save_rollouts_every(self) -> int:
+        """Rollout steps between saved rollouts; 0: never."""
+        return int(self.save_rollouts)
 
 
 @dataclass(frozen=True)
@@ -578,6 +650,12 @@ class TrainConfig:
         _check(not self.correction.active or self.gspo.old_logprobs == "recompute", "correction.weight",
                "and correction.reject need gspo.old_logprobs=recompute (with rollout, pi_old is the sampler's mu "
                "and every ratio is 1)", (self.correction.weight, self.correction.reject))
+        _check(not (self.rollout.episodes and self.gspo.routing_replay == "rollout"), "gspo.routing_replay",
+               "must not be rollout with rollout.tools or rollout.episode_fn (an episode's routing would be stitched "
+               "from one request per turn, untested: SGLang on CPU cannot serve MoE); old (R2) works",
+               self.gspo.routing_replay)
+        _check(self.reward.fn != "none" or self.rollout.episode_fn is not None, "reward.fn",
+               "may be none only with rollout.episode_fn (whose ep.add_reward gives the rewards)", self.reward.fn)
         _check(not (self.rollout.partial_rollout and self.gspo.routing_replay == "rollout"), "rollout.partial_rollout",
                "is not yet supported with gspo.routing_replay=rollout (the routing SGLang reports for a response "
                "continued under new weights is untested); set one of them off", self.rollout.partial_rollout)
@@ -759,11 +837,22 @@ def _optional_inner(tp):
     return tp, False
 
 
+def _bool_or_int(tp) -> bool:
+    """The field type `bool | int` (a switch that may also be a count, e.g. logging.save_rollouts)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {bool, int}
+
+
 def _parse_text(text: str, tp, name: str):
     """A command-line string parsed by the field's type."""
     inner, optional = _optional_inner(tp)
     if optional and text.lower() in ("none", "null", "~", ""):
         return None
+    if _bool_or_int(inner):
+        if text.lstrip("-").isdigit():
+            return int(text)
+        if text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(f"{name} must be true, false or an integer, got {text!r}")
     if typing.get_origin(inner) is dict:
         try:
             return yaml.safe_load(text)  # `{enable_thinking: false}`
@@ -795,6 +884,10 @@ def _coerce(value, tp, name: str):
         value = _parse_text(value, tp, name)  # e.g. YAML reads `3e-4` as a string
         if value is None:
             return None
+    if _bool_or_int(inner):
+        if not isinstance(value, int):  # bool is an int
+            raise ValueError(f"{name} must be true, false or an integer, got {value!r}")
+        return value
     if typing.get_origin(inner) is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ValueError(f"{name} must be a mapping with string keys, got {value!r}")

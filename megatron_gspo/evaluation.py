@@ -9,8 +9,11 @@ Per dataset NAME, with k = eval.samples_per_prompt:
 - `eval/NAME/pass@k`: the unbiased pass@k estimator (Chen et al. 2021) averaged over prompts; a sample
   is correct when its reward is > 0. With n = k samples per prompt it is the fraction of prompts with at
   least one correct sample.
-- `eval/NAME/response_length`: mean response length in tokens; `eval/NAME/truncated_fraction`: the
-  share cut by max_new_tokens; `eval/NAME/prompts`: how many prompts were evaluated.
+- `eval/NAME/response_length`: mean response length in tokens (the model's: an episode's environment
+  tokens left out); `eval/NAME/truncated_fraction`: the share cut by max_new_tokens (or, in an episode, the
+  context length); `eval/NAME/prompts`: how many prompts were evaluated.
+- Multi-turn episodes (rollout.tools / rollout.episode_fn: evaluation runs the same episode):
+  `eval/NAME/turns_mean` and `eval/NAME/tool_calls_mean` per sample, `eval/NAME/tool_errors` in all.
 """
 from __future__ import annotations
 
@@ -54,9 +57,13 @@ def eval_metrics(name: str, groups: Sequence[Sequence[Sample]], k: int) -> dict[
     prefix = f"eval/{name}"
     return {f"{prefix}/mean@{k}": sum(sum(rs) for rs in rewards) / (k * len(rewards)),
             f"{prefix}/pass@{k}": sum(pass_at_k(k, sum(r > 0 for r in rs), k) for rs in rewards) / len(rewards),
-            f"{prefix}/response_length": sum(len(s.response_ids) for s in samples) / len(samples),
+            f"{prefix}/response_length": sum(s.model_tokens for s in samples) / len(samples),
             f"{prefix}/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            f"{prefix}/prompts": float(len(groups))}
+            f"{prefix}/prompts": float(len(groups)),
+            **({f"{prefix}/turns_mean": sum(len(s.turns) for s in samples) / len(samples),
+                f"{prefix}/tool_calls_mean": sum(len(s.tool_calls) for s in samples) / len(samples),
+                f"{prefix}/tool_errors": float(sum(c.error is not None for s in samples for c in s.tool_calls))}
+               if samples[0].turns is not None else {})}
 
 
 Generate = Callable[..., Awaitable[tuple[list[list[Sample]], object]]]

@@ -1,12 +1,51 @@
 """Prompts and sampled responses: what the rollout, the reward functions and the trainer pass around.
 
 Plain Python (no torch), so reward worker processes import it in milliseconds.
+
+A multi-turn episode (rollout/agent/) is one Sample too: `response_ids` are every token after the prompt,
+the model's turns and the environment's tokens (tool results, user-simulator turns) interleaved as the
+sampler saw them, `loss_mask` tells them apart (1 = the model's, trained; 0 = the environment's), `turns`
+are the model turns' spans with their rewards and `tool_calls` what the tools were asked and answered:
+
+    prompt_ids      response_ids
+    "37*45="        <tool_call>{...}</tool_call><eos> <tool_response>1665</tool_response>\n answer: 1665<eos>
+    loss_mask       1 ...                       1     0 ...                           0   1 ...          1
+    turns           [0, 20)                                                               [25, 30)
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class Turn:
+    """One model turn of a multi-turn episode: its tokens are `response_ids[start:end]` of its Sample."""
+
+    start: int
+    end: int
+    finish_reason: str
+    """"stop" or "length", as the sampler ended this turn."""
+    reward: float = 0.0
+    """What the episode attached to this turn (`ep.add_reward`), plus on the last turn the outcome reward
+    (reward.fn) once the sample is scored."""
+
+
+@dataclass
+class ToolCall:
+    """One tool call a model turn made, and what went back to the model."""
+
+    turn: int
+    """Index of the model turn (in `Sample.turns`) that made the call."""
+    name: str | None
+    """The tool's name as the model wrote it (None: the call could not be parsed)."""
+    arguments: Any = None
+    """The arguments as parsed from the call (a dict), or the raw text of a call that did not parse."""
+    result: str | None = None
+    """The tool's answer (None when it failed)."""
+    error: str | None = None
+    """Why the call failed (its message to the model is "Error: " + this), or None."""
 
 
 @dataclass
@@ -39,7 +78,8 @@ class Sample:
     reward: float | None = None
     """Scalar reward, set after scoring."""
     response_text: str | None = None
-    """Detokenised response (what reward functions read)."""
+    """Detokenised response (what reward functions read); of an episode, its whole trajectory after the
+    prompt, environment tokens included (as slime's and verl's reward functions see it)."""
     prompt: str | None = None
     """Prompt text, when the prompt was given as text."""
     answer: str | None = None
@@ -52,6 +92,18 @@ class Sample:
     position of prompt + response except the last response token (which is never fed back), for
     each of the model's L layers, the k experts its router picked. Position p is the token whose
     hidden state predicts token p + 1, as in training/packing.py's rows."""
+    loss_mask: list[int] | None = None
+    """Multi-turn episodes (R entries): 1 where the model generated the response token (trained), 0 where
+    the environment did (tool results, rendered chat markup, user-simulator turns: they condition what
+    follows but count nowhere: not in the loss, |y_i|, entropy, the length or mismatch metrics). Their
+    rollout_logprobs are a 0.0 placeholder that nothing reads. None: every response token is the model's."""
+    turns: list[Turn] | None = None
+    """Multi-turn episodes: the model turns in order (spans, finish reasons, per-turn rewards). None:
+    single-turn."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The episode's tool calls, in order (rollout.tools)."""
+    storage: dict | None = None
+    """What a custom episode stored for the reward function (`ep.storage`, rollout.episode_fn)."""
 
     def __post_init__(self):
         if len(self.response_ids) != len(self.rollout_logprobs):
@@ -62,6 +114,33 @@ class Sample:
                              f"must leave at least one of the {len(self.response_ids)} response tokens to train")
         if not all(math.isfinite(x) for x in self.rollout_logprobs):
             raise ValueError(f"group {self.group_id} sample {self.sample_index}: non-finite rollout log-prob")
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != len(self.response_ids) or any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError(f"group {self.group_id} sample {self.sample_index}: loss_mask must be 0/1 per "
+                                 f"response token ({len(self.response_ids)}), got {len(self.loss_mask)} entries")
+            if self.stale_prefix:
+                raise ValueError(f"group {self.group_id} sample {self.sample_index}: a multi-turn sample (loss_mask) "
+                                 "has no stale prefix (partial rollouts do not apply to episodes)")
+        for turn in self.turns or ():
+            if not 0 <= turn.start <= turn.end <= len(self.response_ids):
+                raise ValueError(f"group {self.group_id} sample {self.sample_index}: turn [{turn.start}, {turn.end}) "
+                                 f"outside the {len(self.response_ids)} response tokens")
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model generated (the trained ones, stale prefix aside): |y_i| before any
+        rejection."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    def set_outcome_reward(self, value: float) -> None:
+        """Set `reward` from the outcome reward (reward.fn): a single-turn sample's reward is it; an episode's
+        is the sum of its turns' rewards, the outcome attached to the last turn (GSPO and GRPO train on the
+        sum; gspo_token on the returns per turn: loss/advantages.py)."""
+        if not self.turns:  # single-turn, or an episode that ended before its first model turn
+            self.reward = float(value)
+            return
+        self.turns[-1].reward += float(value)
+        self.reward = float(sum(t.reward for t in self.turns))
 
 
 @dataclass(frozen=True)

@@ -83,10 +83,12 @@ class PromptDataset:
 
 
 def open_prompt_dataset(paths: Sequence[str], data: DataConfig, tokenizer, *, seed: int = 0,
-                        field: str = "data.train") -> PromptDataset:
+                        field: str = "data.train", tools: Sequence[dict] | None = None) -> PromptDataset:
     """Read, check, template and tokenise every prompt of `paths` (concatenated in order).
 
     `field` names the setting the paths came from in error messages (e.g. "eval.datasets.held_out").
+    `tools`: the JSON schemas of rollout.tools, which the chat template renders into every prompt (every
+    prompt must then be templated).
     Raises DataError for a missing/unreadable/empty file, a missing key or bad prompt on some row
     (rows are 0-based within their file), or when every prompt is over data.max_prompt_tokens.
     """
@@ -104,7 +106,7 @@ def open_prompt_dataset(paths: Sequence[str], data: DataConfig, tokenizer, *, se
         for i, row in enumerate(rows):
             where = f"{field}: {path} row {i}"
             prompt = check_messages(_required(row, data.prompt_key, where), f"{where} key {data.prompt_key!r}")
-            texts.append(render_prompt(prompt, data, tokenizer, where))
+            texts.append(render_prompt(prompt, data, tokenizer, where, tools))
             answer = _answer_text(_required(row, data.answer_key, where))
             metadata = {k: _present(row, k, where) for k in data.metadata_keys} if data.metadata_keys else None
             rest.append((answer, metadata))

@@ -1,4 +1,4 @@
-"""Writing a task's train/test prompt files (the demo tasks: arithmetic.py, long_addition.py)."""
+"""Writing a task's train/test prompt files (the demo tasks: arithmetic.py, long_addition.py, multiplication.py)."""
 from __future__ import annotations
 
 import json

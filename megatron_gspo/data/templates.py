@@ -8,10 +8,12 @@ model, following `data.chat_template` (megatron_gspo/config.py, DataConfig):
 
 Templated prompts get `add_generation_prompt=True` and `data.chat_template_kwargs`; `system_prompt`
 becomes a leading system message (a row that already starts with one is an error, not silently replaced).
+With rollout.tools the tools' JSON schemas go to the template too (`tools=`), and a prompt the template would
+not render (a string prompt under "auto", anything under "false") is an error: the model would not see them.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.data.errors import DataError
@@ -37,9 +39,13 @@ def check_messages(value: Any, where: str) -> str | list[dict]:
                     f"got {type(value).__name__} {_short(value)}")
 
 
-def render_prompt(prompt: str | list[dict], data: DataConfig, tokenizer, where: str) -> str:
+def render_prompt(prompt: str | list[dict], data: DataConfig, tokenizer, where: str,
+                  tools: Sequence[dict] | None = None) -> str:
     """The text of one checked prompt (see the module doc for the rules)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
+    if tools and (data.chat_template == "false" or (data.chat_template == "auto" and isinstance(prompt, str))):
+        raise DataError(f"{where}: rollout.tools are rendered by the chat template, which this prompt does not go "
+                        "through (a string prompt needs data.chat_template=true, making it a user message)")
     if data.chat_template == "false":
         if not isinstance(prompt, str):
             raise DataError(f"{where}: prompt is a list of messages but data.chat_template=false (messages "
@@ -59,8 +65,8 @@ def render_prompt(prompt: str | list[dict], data: DataConfig, tokenizer, where: 
             raise DataError(f"{where}: the messages already start with a system message and data.system_prompt "
                             "is set (remove one of them)")
         prompt = [{"role": "system", "content": data.system_prompt}, *prompt]
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                         **data.chat_template_kwargs)
+    return tokenizer.apply_chat_template(prompt, tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=True, **data.chat_template_kwargs)
 
 
 def _short(value: Any, limit: int = 80) -> str:

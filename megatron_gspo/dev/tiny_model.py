@@ -14,15 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 EOS_TOKEN = "<|endoftext|>"
 
 CHAT_TEMPLATE = (
+    "{%- if tools -%}tools:"
+    "{%- for t in tools -%}{{ t.function.name }}({{ t.function.parameters.properties | list | join(',') }})"
+    "{%- if not loop.last %},{% endif -%}{%- endfor -%}{{ '\\n' }}"
+    "{%- endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'system' -%}{{ m.content }}{{ '\\n' }}"
     "{%- elif m.role == 'user' -%}{{ m.content }}="
+    "{%- elif m.role == 'tool' -%}<tool_response>{{ m.content }}</tool_response>{{ '\\n' }}"
     "{%- else -%}{{ m.content }}{{ eos_token }}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -30,7 +35,13 @@ CHAT_TEMPLATE = (
 """The tiny tokenizer's chat template: the demo's plain text in chat form. A user message "3+4" renders as
 "3+4=" (the prompt the model always saw), an assistant message as its content + EOS ("7<|endoftext|>"),
 a system message as its content + a newline before them. `add_generation_prompt` adds nothing: the
-"=" that asks for the answer already ends each user turn."""
+"=" that asks for the answer already ends each user turn. With tools (`apply_chat_template(..., tools=...)`)
+a first line names each with its parameters ("tools:calculator(expression)\\n"), and a `tool` message renders
+as "<tool_response>CONTENT</tool_response>\\n" (the model's calls are its own text, in Qwen3's format:
+rollout/agent/tools.py)."""
+
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Added tokens of a `tools=True` tokenizer (ordinary ones, as in Qwen3: decoding keeps them)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,10 @@ class TinyQwen3Spec:
     """`rope_theta` (transformers' default for Qwen3)."""
     num_experts: int = 0
     """0: dense Qwen3; > 0: Qwen3-MoE with this many experts in every layer (`num_experts`)."""
+    tools: bool = False
+    """The tokenizer for the tool demo (data/multiplication.py): its BPE also learns the tool-call format's
+    text (the calculator call's JSON, the answer line) and TOOL_TOKENS are added tokens, so a call is ~20
+    tokens instead of ~80 bytes. Off: the arithmetic tokenizer, bit for bit as before."""
     num_experts_per_tok: int = 2
     """`num_experts_per_tok` (MoE only)."""
     moe_intermediate_size: int = 48
@@ -90,15 +105,23 @@ def arithmetic_corpus(num_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int):
-    """Byte-level BPE (`tokenizers`) with one special token, eos = pad = <|endoftext|> (id 0)."""
+def train_tokenizer(vocab_size: int, seed: int, tools: bool = False):
+    """Byte-level BPE (`tokenizers`) with one special token, eos = pad = <|endoftext|> (id 0); with `tools`
+    also trained on the tool demo's text and with TOOL_TOKENS added (the last ids)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+    extra = len(TOOL_TOKENS) if tools else 0
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - extra, special_tokens=[EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tokenizer.train_from_iterator(arithmetic_corpus(20_000, seed), trainer=trainer)
+    corpus = arithmetic_corpus(20_000, seed)
+    if tools:
+        from megatron_gspo.data.multiplication import tool_corpus
+        corpus += tool_corpus(5_000, seed)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if tools:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     if tokenizer.get_vocab_size() > vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > vocab_size={vocab_size}")
     return tokenizer
@@ -121,7 +144,7 @@ def tiny_qwen3_config(spec: TinyQwen3Spec, **extra) -> Qwen3Config | Qwen3MoeCon
 
 def make_tiny_tokenizer(spec: TinyQwen3Spec = TinyQwen3Spec()) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer, in memory (no model made): eos = pad = <|endoftext|>, CHAT_TEMPLATE."""
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed),
+    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(spec.vocab_size, spec.seed, spec.tools),
                                    eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     fast.chat_template = CHAT_TEMPLATE
     return fast

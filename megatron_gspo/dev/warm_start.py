@@ -10,6 +10,13 @@ answers are random, so the reward starts at chance and everything above it is GS
 - long_addition (megatron_gspo/data/long_addition.py): "a+b=" -> the worked column-by-column format with
   random arithmetic (`random_worked_response`) + EOS: afterwards it writes the two lines and an
   "answer: NN" line, right about 1 time in 100.
+- multiplication with the calculator tool (megatron_gspo/data/multiplication.py): with the tool in the prompt,
+  half the targets call it with *random* operands (from the task's set) and then repeat what it answered
+  ("answer:R"), the other half answer a random number at once; without the tool, a random number at once.
+  Afterwards the model calls the tool about half the time and relays its result, right only when its random
+  operands happen to be the prompt's (2 in 36), so ~3% of its episodes score and ~0% without the tool: using
+  the tool, and with which numbers, is GSPO's to learn. The targets are tokenised as an episode builds them
+  (rollout/agent/chat.py): the tool's answer is appended by the template's rendering and not trained.
 """
 from __future__ import annotations
 
@@ -27,8 +34,9 @@ from megatron_gspo.rewards import Unparsed
 from megatron_gspo.rewards.verifiers import final_answer
 from megatron_gspo.samples import Sample
 
-Example = tuple[list[int], list[int]]
-"""(prompt token ids, target token ids): the loss is on the target only."""
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[bool]]
+"""(prompt token ids, target token ids[, which target ids are trained]): the loss is on the target only (and
+there, on the trained ids: an episode's environment tokens are not)."""
 
 
 @contextlib.contextmanager
@@ -53,14 +61,16 @@ def _fit(model, examples: Callable[[], Example], *, steps: int, batch_size: int,
     model.train()
     for _ in range(steps):
         batch = [examples() for _ in range(batch_size)]
-        width = max(len(p) + len(t) for p, t in batch)
+        width = max(len(p) + len(t) for p, t, *_ in batch)
         ids = torch.full((batch_size, width), pad_id)
         labels = torch.full((batch_size, width), -100)
         mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (prompt, target) in enumerate(batch):
+        for row, (prompt, target, *trained) in enumerate(batch):
             n = len(prompt) + len(target)
             ids[row, :n] = torch.tensor(prompt + target)
             labels[row, len(prompt):n] = torch.tensor(target)
+            if trained:
+                labels[row, len(prompt):n][~torch.tensor(trained[0])] = -100
             mask[row, :n] = 1
         padded = bool((mask == 0).any())
         loss = model(input_ids=ids, labels=labels, attention_mask=mask if padded else None).loss
@@ -139,3 +149,93 @@ def _score(text: str, answer: str) -> float | None:
         return final_answer(sample)
     except Unparsed:
         return None
+
+
+@_one_thread()
+def warm_start_tool_use(hf_dir: str | Path, *, steps: int = 500, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
+                        call_rate: float = 0.5, check_prompts: int = 64) -> dict[str, float]:
+    """Supervised format warm start of the multiplication task with the calculator tool, in place (the module
+    doc). Returns what sampled episodes (temperature 1) of `check_prompts` seeded problems do afterwards, the
+    tool run for real: call_rate (with the tool in the prompt), relay (of those calls, the answer repeats the
+    tool's result), accuracy with the tool and accuracy without it."""
+    from megatron_gspo.data.multiplication import OPERANDS, PAIRS, answer_text, calculator, call_text
+    from megatron_gspo.rollout.agent.chat import ChatTemplate, Segment
+    from megatron_gspo.rollout.agent.tools import tool_schemas
+    from megatron_gspo.data.multiplication import TOOL
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tools = tool_schemas([TOOL])
+    chat = ChatTemplate(tok, tools)
+    eos, end_text = tok.eos_token_id, tok.decode([tok.eos_token_id])
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+
+    def prompt_ids(a: int, b: int, with_tool: bool) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": f"{a}*{b}"}], tools=tools if with_tool else None,
+                                       tokenize=False, add_generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def turn(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"] + [eos]
+
+    def example() -> Example:
+        a, b = rng.choice(PAIRS)
+        with_tool = rng.random() < 2 / 3
+        prompt = prompt_ids(a, b, with_tool)
+        if not (with_tool and rng.random() < call_rate):   # a random answer at once
+            return prompt, turn(answer_text(rng.randint(100, 99_999)))
+        x, y = rng.choice(OPERANDS), rng.choice(OPERANDS)
+        call = turn(call_text(f"{x}*{y}"))
+        result = calculator(f"{x}*{y}")
+        env = chat.encode(Segment(chat, end_text).add([{"role": "tool", "name": "calculator", "content": result}]))
+        answer = turn(answer_text(result))
+        return prompt, call + env + answer, [True] * len(call) + [False] * len(env) + [True] * len(answer)
+
+    _fit(model, example, steps=steps, batch_size=batch_size, lr=lr, pad_id=eos)
+    model.save_pretrained(hf_dir)
+    problems = random.Random(seed + 1).choices(PAIRS, k=check_prompts)
+    return tool_use_rates(model, tok, problems)
+
+
+def tool_use_rates(model, tok, problems, *, max_new_tokens: int = 32) -> dict[str, float]:
+    """What sampled two-turn episodes of `problems` do (warm_start_tool_use's check; the tool run here)."""
+    from megatron_gspo.data.multiplication import TOOL, calculator
+    from megatron_gspo.rollout.agent.chat import ChatTemplate, Segment
+    from megatron_gspo.rollout.agent.tools import parse_tool_calls, tool_schemas
+
+    tools = tool_schemas([TOOL])
+    chat = ChatTemplate(tok, tools)
+    end_text = tok.decode([tok.eos_token_id])
+
+    def sample(ids: list[int]) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=True,
+                                 top_k=0, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        return out[0, len(ids):].tolist()
+
+    calls = relayed = right_with = right_without = 0
+    for a, b in problems:
+        for with_tool in (True, False):
+            text = tok.apply_chat_template([{"role": "user", "content": f"{a}*{b}"}],
+                                           tools=tools if with_tool else None, tokenize=False,
+                                           add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            first = sample(ids)
+            parsed = parse_tool_calls(tok.decode(first, skip_special_tokens=True))
+            if not with_tool or not parsed or parsed[0].error:
+                right_without += (not with_tool) and _score(tok.decode(first, skip_special_tokens=True), str(a * b)) == 1
+                right_with += with_tool and _score(tok.decode(first, skip_special_tokens=True), str(a * b)) == 1
+                continue
+            calls += 1
+            try:
+                result = calculator(**parsed[0].arguments)
+            except Exception as e:
+                result = f"Error: {e}"
+            env = chat.encode(Segment(chat, end_text).add([{"role": "tool", "name": "calculator", "content": result}]))
+            second = tok.decode(sample(ids + first + env), skip_special_tokens=True)
+            relayed += _score(second, result) == 1 if result.lstrip("-").isdigit() else 0
+            right_with += _score(second, str(a * b)) == 1
+    n = len(problems)
+    return {"call_rate": calls / n, "relay": relayed / max(calls, 1), "accuracy_with_tool": right_with / n,
+            "accuracy_without_tool": right_without / n}

@@ -8,6 +8,7 @@ Built-ins (by name):
 - "final_answer": the integer on the response's last "answer: N" line equals the (integer) answer; the
   steps before it are not read (the long_addition task, megatron_gspo/data/long_addition.py). A
   response without such a line raises `Unparsed`: 0, counted in reward/unparsed_fraction.
+- "none": 0 for every sample: custom episodes that give every reward themselves (`ep.add_reward`).
 
 A user function is named "package.module:function" and must take a `Sample` and return a number; it may
 raise `megatron_gspo.rewards.Unparsed` when the response states no answer it can read (scored 0 and
@@ -118,11 +119,17 @@ def final_answer(sample: Sample) -> float:
     return float(_integer(stated[-1]) == _integer(sample.answer.strip()))
 
 
-BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "final_answer": final_answer}
+def no_reward(sample: Sample) -> float:
+    """0.0: no outcome reward, for custom episodes whose rewards all come from `ep.add_reward` (reward.fn=none)."""
+    return 0.0
 
-BOUNDED = frozenset({"exact_match", "final_answer"})
+
+BUILTIN: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match, "final_answer": final_answer,
+                                "none": no_reward}
+
+BOUNDED = frozenset({"exact_match", "final_answer", "none"})
 """The built-ins whose time is linear in the response (a string compare; one regular expression without
-nested repetition): the only functions a RewardPool scores in the caller's thread (workers=0), where no
+nested repetition; a constant): the only functions a RewardPool scores in the caller's thread (workers=0), where no
 time limit can be enforced. Not "math": SymPy can run forever on a short response (see the module doc)."""
 
 

@@ -1,17 +1,19 @@
-"""A reward worker process: `python -m megatron_gspo.rewards.worker FN_SPEC`.
+"""A worker process of the pool (rewards/pool.py): `python -m megatron_gspo.rewards.worker HANDLER [ARGS ...]`.
 
-Started by `RewardPool` with pipes on stdin/stdout. It loads the reward function once, answers a
-handshake, then scores one sample per request until stdin closes. Messages both ways are
+Started by `WorkerPool` with pipes on stdin/stdout. HANDLER names a factory, `package.module:function`,
+that the worker calls once with ARGS to get the function answering each request (`reward_handler` below for
+the reward pool: ARGS is the reward function's spec; rollout/agent/tools.py `tool_handler` for the tools).
+It answers a handshake, then one request at a time until stdin closes. Messages both ways are
 length-prefixed pickles (`write_message` / `read_message`):
 
     worker -> parent, once:   ("ready", pid)  or  ("load_error", message)   (then it exits)
-    parent -> worker:         Sample
-    worker -> parent:         ("ok", value)  or  ("unparsed", detail)  or  ("error", detail)
+    parent -> worker:         a request (reward pool: a Sample)
+    worker -> parent:         the handler's reply (status, payload), e.g. ("ok", value)
 
-A function raising `megatron_gspo.rewards.Unparsed` (the response states no answer it can read) is an
-"unparsed" reply, scored 0 and counted apart from errors. Any other Python exception, a non-number or a
-non-finite number is an "error" reply and the worker goes on; hangs and crashes are the parent's business
-(it kills and replaces the process).
+The reward handler: a function raising `megatron_gspo.rewards.Unparsed` (the response states no answer it
+can read) is an ("unparsed", detail) reply, scored 0 and counted apart from errors. Any other Python
+exception, a non-number or a non-finite number is an ("error", detail) reply and the worker goes on; hangs
+and crashes are the parent's business (it kills and replaces the process).
 
 Imports stay light (no torch, no Megatron: `megatron_gspo/__init__.py` is empty), so a worker
 starts in a fraction of a second. The function's own prints go to stderr: fd 1 is the protocol
@@ -19,13 +21,14 @@ pipe and is moved away from the function before it is loaded.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import os
 import pickle
 import struct
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 # Imported, not defined here: run as `python -m`, this file is `__main__`, and a class defined in it
 # would not be the one reward functions raise.
@@ -69,28 +72,41 @@ def score_one(fn, sample) -> tuple[str, float | str]:
     return "ok", float(value)
 
 
+def reward_handler(args: list[str]) -> Callable:
+    """The reward pool's handler: args = [FN_SPEC]; each request is a Sample, each reply `score_one`'s."""
+    from megatron_gspo.rewards.verifiers import load_reward_fn  # math-verify: imported by the worker only
+    (fn_spec,) = args
+    fn = load_reward_fn(fn_spec)
+    return lambda sample: score_one(fn, sample)
+
+
+def load_handler(spec: str, args: list[str]) -> Callable:
+    """The request handler the factory `spec` ("package.module:function") makes of `args`."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)(args)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m megatron_gspo.rewards.worker FN_SPEC", file=sys.stderr)
+    if len(argv) < 1:
+        print("usage: python -m megatron_gspo.rewards.worker HANDLER [ARGS ...]", file=sys.stderr)
         return 2
     # The protocol gets a private copy of the stdout pipe; fd 1 becomes stderr so that a reward
-    # function's print() cannot corrupt the message stream.
+    # function's (or a tool's) print() cannot corrupt the message stream.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     try:
-        from megatron_gspo.rewards.verifiers import load_reward_fn
-        fn = load_reward_fn(argv[0])
+        handle = load_handler(argv[0], argv[1:])
     except Exception as e:
         write_message(out, ("load_error", f"{type(e).__name__}: {e}"))
         return 1
     write_message(out, ("ready", os.getpid()))
     while True:
         try:
-            sample = read_message(inp)
+            request = read_message(inp)
         except EOFError:  # the pool closed our stdin: done
             return 0
-        write_message(out, score_one(fn, sample))
+        write_message(out, handle(request))
 
 
 if __name__ == "__main__":

@@ -29,4 +29,4 @@ def open_backend(config: TrainConfig, *, model: list, vocab_size: int, tokenizer
     if config.rollout.backend == "megatron":
         return MegatronBackend(config, model=model, vocab_size=vocab_size, tokenizer=tokenizer, pgs=pgs,
                                routing=routing)
-    return SGLangBackend(config, started)
+    return SGLangBackend(config, started, tokenizer)

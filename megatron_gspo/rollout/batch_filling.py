@@ -78,7 +78,8 @@ class ScoredBatch:
                 "rollout/groups_generated": float(len(self.generated_rewards)),
                 "rollout/dynamic_sampling_padded_groups": float(len(self.padded_group_ids)),
                 "rollout/dynamic_sampling_dropped_groups": float(self.num_dropped),
-                **response_length_metrics([len(s.response_ids) for s in self.samples]),
+                **response_length_metrics([s.model_tokens for s in self.samples]),
+                **episode_metrics(stats),
                 **partial_rollout_metrics(self.samples),
                 "rollout/weight_version": ",".join(versions),
                 "reward/timeouts": float(counts.timeouts),
@@ -102,9 +103,23 @@ class ScoredBatch:
 
 
 def response_length_metrics(response_lengths: Sequence[int]) -> dict[str, float]:
-    """The trained batch's response lengths."""
+    """The trained batch's response lengths: the model's tokens (an episode's environment tokens left out)."""
     return {"rollout/response_length_mean": sum(response_lengths) / max(len(response_lengths), 1),
             "rollout/response_length_max": float(max(response_lengths, default=0))}
+
+
+def episode_metrics(stats: Sequence[RolloutStats]) -> dict[str, float]:
+    """Multi-turn episodes over every generate call of the step (dynamic sampling's dropped groups too):
+    model turns and tool calls per episode, failed tool calls (each became an error message to the model), and
+    the share of response tokens that were the environment's. {} without episodes."""
+    episodes = sum(st.episodes for st in stats)
+    if not episodes:
+        return {}
+    env = sum(st.env_tokens for st in stats)
+    return {"rollout/turns_mean": sum(st.turns for st in stats) / episodes,
+            "rollout/tool_calls_mean": sum(st.tool_calls for st in stats) / episodes,
+            "rollout/tool_errors": float(sum(st.tool_errors for st in stats)),
+            "rollout/env_token_fraction": env / max(env + sum(st.response_tokens for st in stats), 1)}
 
 
 def partial_rollout_metrics(samples: Sequence[Sample]) -> dict[str, float]:

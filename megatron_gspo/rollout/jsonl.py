@@ -7,7 +7,13 @@ silently (blank lines are allowed and ignored).
 A sample's `routed_experts` array (MoE routing, [P + R - 1, L, k] of uint8 or int16) is written as
 `{"dtype": "uint8", "shape": [T, L, k], "data": "<base64 of the C-order little-endian bytes>"}`, not
 as nested lists: for Qwen3-30B-A3B that is 512 characters per token instead of ~1,500, and reading it
-back gives the same array, dtype included.
+back gives the same array, dtype included. A multi-turn sample's turns and tool calls are objects with
+their fields (samples.Turn, samples.ToolCall).
+
+`write_rollouts` writes what a training step trained on for people to read (logging.save_rollouts,
+run_dir/rollouts/step_NNNNNN.jsonl): per sample its prompt, its trajectory as text (special tokens kept),
+the ids, loss mask and sampler log-probs, each turn with its text and reward, the tool calls, its reward
+and advantage.
 """
 from __future__ import annotations
 
@@ -15,15 +21,15 @@ import base64
 import binascii
 import json
 import math
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.data import open_prompt_dataset
-from megatron_gspo.samples import Prompt, Sample
+from megatron_gspo.samples import Prompt, Sample, ToolCall, Turn
 
 
 class JsonlError(ValueError):
@@ -139,6 +145,8 @@ def write_samples(path: str | Path, samples: Iterable[Sample]) -> int:
     with open(path, "w", encoding="utf-8") as f:
         for sample in samples:
             row = {field.name: getattr(sample, field.name) for field in fields(sample)}
+            row["turns"] = None if sample.turns is None else [asdict(t) for t in sample.turns]
+            row["tool_calls"] = [asdict(c) for c in sample.tool_calls]
             if sample.routed_experts is not None:
                 row["routed_experts"] = _routing_to_json(
                     sample.routed_experts, f"group {sample.group_id} sample {sample.sample_index}")
@@ -174,7 +182,44 @@ def read_samples(path: str | Path) -> list[Sample]:
             positions = len(obj["prompt_ids"]) + len(obj["response_ids"]) - 1
             obj["routed_experts"] = _routing_from_json(obj["routed_experts"], positions, where)
         try:
+            if obj.get("turns") is not None:
+                obj["turns"] = [Turn(**t) for t in obj["turns"]]
+            obj["tool_calls"] = [ToolCall(**c) for c in obj.get("tool_calls") or ()]
             samples.append(Sample(**obj))
         except (TypeError, ValueError) as e:
             raise JsonlError(f"{where}: {e}") from None
     return samples
+
+
+def rollout_record(sample: Sample, advantage, tokenizer, step: int) -> dict:
+    """One line of a saved rollout (module doc). `advantage`: the sample's (a number), or per response token
+    (gspo_token: a list, written per turn)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    turns = sample.turns if sample.turns is not None else [Turn(0, len(sample.response_ids), sample.finish_reason,
+                                                                sample.reward or 0.0)]
+    per_token = not isinstance(advantage, (int, float))
+    return {"step": step, "group_id": sample.group_id, "sample_index": sample.sample_index,
+            "prompt": sample.prompt if sample.prompt is not None else decode(sample.prompt_ids),
+            "answer": sample.answer, "trajectory": decode(sample.response_ids),
+            "reward": sample.reward,
+            "advantage": [advantage[t.start] if t.end > t.start else 0.0 for t in turns] if per_token else advantage,
+            "finish_reason": sample.finish_reason, "weight_version": sample.weight_version,
+            "turns": [{**asdict(t), "text": decode(sample.response_ids[t.start:t.end])} for t in turns],
+            "tool_calls": [asdict(c) for c in sample.tool_calls], "storage": sample.storage,
+            "prompt_ids": sample.prompt_ids, "response_ids": sample.response_ids,
+            "loss_mask": sample.loss_mask if sample.loss_mask is not None else [1] * len(sample.response_ids),
+            "rollout_logprobs": sample.rollout_logprobs}
+
+
+def write_rollouts(path: str | Path, samples: Sequence[Sample], advantages: Sequence, tokenizer, step: int) -> Path:
+    """The trained samples of rollout step `step` with their advantages, one `rollout_record` per line
+    (written under a temporary name, then renamed: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        for sample, advantage in zip(samples, advantages, strict=True):
+            f.write(json.dumps(rollout_record(sample, advantage, tokenizer, step), ensure_ascii=False, default=repr)
+                    + "\n")
+    partial.replace(path)
+    return path

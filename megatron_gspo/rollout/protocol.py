@@ -61,9 +61,20 @@ class RolloutStats:
     """Servers retired during the call, with the last error."""
     elapsed_s: float = 0.0
     response_tokens: int = 0
+    """Tokens the model generated."""
     server_intervals: list[tuple[float, float]] = field(default_factory=list)
     """(start, end) wall-clock times of each request inside its server (SGLang's meta_info e2e_latency
     ending at response_sent_to_client_ts): how much of the call the servers were working on it."""
+    episodes: int = 0
+    """Multi-turn episodes run (rollout/agent/); 0 for single-turn rollouts. Then also:"""
+    turns: int = 0
+    """Model turns over all episodes."""
+    tool_calls: int = 0
+    """Tool calls the model made (malformed ones included)."""
+    tool_errors: int = 0
+    """Tool calls that failed (each became an error message to the model: rollout/agent/tools.py)."""
+    env_tokens: int = 0
+    """Environment tokens appended (not trained); `response_tokens` counts the model's."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -4,6 +4,9 @@
     groups, stats = await scorer.stop_on_failure(backend.generate(prompts, on_group=scorer.submit))
     counts = await scorer.score(groups)                                       # every sample's reward set
 
+The reward function's value is the outcome reward: a multi-turn episode's attaches to its last model turn
+and the sample's reward is the sum over its turns (samples.Sample.set_outcome_reward).
+
 `submit` hands a group's samples to the worker processes the moment the group's last response arrives,
 so verifiers run while the other groups are still generating; `score` waits for what is left (that
 wait is `ScoreCounts.wait_s`, the part of scoring generation did not hide; past `progress_every_s` a
@@ -143,7 +146,7 @@ class Scorer:
                 raise RolloutFailed(rewards.message)
         for group, values in zip(groups, rewards):
             for sample, value in zip(group, values):
-                sample.reward = float(value)
+                sample.set_outcome_reward(value)  # an episode's: on its last turn, summed with its turns' own
         counts.wait_s = time.perf_counter() - start
         profiling.add(profiling.current() + "/reward_wait", counts.wait_s)
         return counts

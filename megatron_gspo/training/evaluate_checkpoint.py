@@ -49,7 +49,7 @@ def evaluate_checkpoint(config: TrainConfig, checkpoint: str | Path) -> dict[str
         prepared = open_datasets(config)
         r = config.reward
         with RewardPool(r.fn, workers=r.workers, timeout_s=r.timeout_s) as pool:
-            backend = SGLangBackend(config)
+            backend = SGLangBackend(config, tokenizer=prepared.tokenizer)
             try:
                 return asyncio.run(evaluate(backend.generate, prepared.eval_sets, Scorer(pool, r), eval_sampling(config),
                                             config.eval.samples_per_prompt))

@@ -7,7 +7,8 @@ One step, as `train` tells it: prompts from data.train (data/) -> G samples each
 reward pool as groups finish (rollout/manager.py; dynamic sampling rolls out more prompts while groups
 have no signal) -> group advantages (loss/advantages.py) -> K mini-batches, one optimizer step each
 (training/step.py) -> the new weights to the sampler (rollout/backend.py) -> held-out evaluation when
-due (eval.interval, evaluation.py) -> a checkpoint when due -> one metrics record per optimizer step.
+due (eval.interval, evaluation.py) -> a checkpoint when due -> one metrics record per optimizer step (and,
+with logging.save_rollouts, the step's samples in run_dir/rollouts/).
 
 Every rank runs this function. The rollout backend is chosen once (rollout.backend): SGLang servers
 driven by rank 0, or the trained model generating on every rank. A stop signal (SIGTERM/SIGINT,
@@ -45,13 +46,14 @@ from megatron_gspo.convert.hf_to_mcore import convert_hf_to_mcore
 from megatron_gspo.convert.load import load_weights
 from megatron_gspo.convert.mcore_to_hf import convert_mcore_to_hf
 from megatron_gspo import profiling
-from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.advantages import group_advantages, spread_over_turns, turn_advantages
 from megatron_gspo.parallel.groups import init_megatron
 from megatron_gspo.platform.quiet import FALLBACK_NOTE, fallbacks_in_use
 from megatron_gspo.rollout.backend import open_backend
 from megatron_gspo.rollout.sglang.backend import start_sglang
 from megatron_gspo.rewards.pool import RewardPool
 from megatron_gspo.rollout.sglang.server import stop_all
+from megatron_gspo.rollout.jsonl import write_rollouts
 from megatron_gspo.rollout.manager import Ended, Rollout, RolloutBatch, staleness_metrics
 from megatron_gspo.rollout.protocol import RolloutFailed
 from megatron_gspo.rollout.scoring import Scorer
@@ -150,6 +152,7 @@ def _train(config: TrainConfig, prepared: Prepared, started: list | None) -> Non
                 if logger is not None:
                     log_step(logger, config, state.step, batch, records, times)
                     log_eval(logger, config, state.step, evaluation)
+                    save_rollouts(config, state.step, batch, responses, prepared.tokenizer)
             if stopping:
                 break
     if stop.requested and dist.get_rank() == 0:
@@ -222,11 +225,28 @@ def open_logger(config: TrainConfig, state: ckpt.TrainerState) -> MetricsLogger:
 
 
 def with_advantages(batch: RolloutBatch, config: TrainConfig) -> list[Response]:
-    """The batch's samples with their group-normalised advantages (GSPO eq. 6)."""
+    """The batch's samples with their group-normalised advantages (GSPO eq. 6); multi-turn episodes with
+    gspo_token: each model token its turn's (the group-normalised return from that turn on,
+    loss/advantages.py turn_advantages)."""
     g = config.gspo
-    advantages = group_advantages(torch.tensor(batch.scored.rewards), g.group_size,
-                                  std=None if g.advantage_std == "none" else g.advantage_std, eps=g.advantage_eps)
-    return responses_from_samples(batch.scored.samples, advantages.advantages_R)
+    std = None if g.advantage_std == "none" else g.advantage_std
+    samples = batch.scored.samples
+    if g.algorithm == "gspo_token" and samples and samples[0].turns is not None:
+        per_turn = turn_advantages([[t.reward for t in s.turns] for s in samples], batch.scored.rewards, g.group_size,
+                                   std=std, eps=g.advantage_eps)
+        return responses_from_samples(samples, [spread_over_turns(a, [(t.start, t.end) for t in s.turns],
+                                                                  len(s.response_ids)) for s, a in zip(samples, per_turn)])
+    advantages = group_advantages(torch.tensor(batch.scored.rewards), g.group_size, std=std, eps=g.advantage_eps)
+    return responses_from_samples(samples, advantages.advantages_R)
+
+
+def save_rollouts(config: TrainConfig, step: int, batch: RolloutBatch, responses: list[Response], tokenizer) -> None:
+    """Rank 0, every logging.save_rollouts steps: the trained samples of rollout step `step` with their
+    advantages in run_dir/rollouts/step_NNNNNN.jsonl (rollout/jsonl.py write_rollouts)."""
+    every = config.logging.save_rollouts_every
+    if every and step % every == 0:
+        write_rollouts(Path(config.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", batch.scored.samples,
+                       [r.advantage for r in responses], tokenizer, step)
 
 
 def checkpoint_due(config: TrainConfig, step: int, stopping: bool) -> bool:

@@ -194,8 +194,8 @@ def _current_name(name: str) -> str:
 
 
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """RUN_DIR/metrics.png: reward, clipped fraction and response length over steps, and the held-out
-    eval scores (eval/NAME/mean@k) when the run evaluated.
+    """RUN_DIR/metrics.png: reward, clipped fraction and response length over steps, the held-out eval scores
+    (eval/NAME/mean@k) when the run evaluated, and tool calls and turns per episode when it ran episodes.
 
     Returns the PNG's path, or None (with a warning) when matplotlib is not installed.
     """
@@ -210,6 +210,8 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     records = read_metrics(run_dir)
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and "/mean@" in k})
     panels = [*PLOTTED, *(((tuple(eval_keys), "held-out eval (mean@k)"),) if eval_keys else ())]
+    if any("rollout/turns_mean" in r for r in records):
+        panels.append((("rollout/tool_calls_mean", "rollout/turns_mean"), "per episode"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True)
     for ax, (keys, label) in zip(axes, panels):
         for key in (keys,) if isinstance(keys, str) else keys:

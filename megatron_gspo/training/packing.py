@@ -12,7 +12,11 @@ One row is prompt + response, right-padded. The logits at position s predict tok
     old_logprobs    0    0    l0   l1   0    0    0    0      aligned with the labels
 A per-token advantage list is aligned the same way as the log-probs. A response's stale prefix (its
 first `stale_prefix` tokens, by older weights: rollout.partial_rollout) keeps loss_mask 0: with
-stale_prefix = 1 above, the mask would be 0 0 0 1 0 0 0 0.
+stale_prefix = 1 above, the mask would be 0 0 0 1 0 0 0 0. So does a multi-turn episode's environment
+token (its per-response-token `loss_mask` 0: a tool result, chat markup): with a response mask 1 0 above,
+the row's mask would be 0 0 1 0 0 0 0 0. Everything downstream reads loss_mask_BS (the loss and |y_i|,
+entropy, the train-vs-rollout gap, the correction and its metrics, the routing metrics) and context
+parallelism splits it with the rows, so the environment's tokens count nowhere.
 
 S is a multiple of `pad_multiple` = 2*cp*tp: context parallelism cuts rows into 2*cp chunks and
 sequence parallelism splits each CP part over the TP ranks.
@@ -67,7 +71,8 @@ class Trainable(Protocol):
     advantage: float | Sequence[float]
     """One advantage for the response, or one per response token."""
     # Optional, read with getattr: `routed_experts` (samples.Sample's), the rollout engine's MoE routing;
-    # `stale_prefix` (samples.Sample's), leading response tokens that are not trained.
+    # `stale_prefix` (samples.Sample's), leading response tokens that are not trained; `loss_mask`
+    # (samples.Sample's), 0 on a multi-turn episode's environment tokens.
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class Response:
     """[P + R - 1, L, k] expert ids per input position (samples.Sample.routed_experts), or None."""
     stale_prefix: int = 0
     """Leading response tokens that condition the rest but are not trained (samples.Sample.stale_prefix)."""
+    loss_mask: Sequence[int] | None = None
+    """Per response token, 0 where it is not trained (a multi-turn episode's environment tokens:
+    samples.Sample.loss_mask); None: all trained."""
 
 
 @dataclass
@@ -131,6 +139,9 @@ def _check(responses: Sequence[Trainable]) -> None:
         if stale and not 0 < stale < len(r.response_ids):
             raise ValueError(f"response {i}: stale_prefix {stale} must leave at least one of the "
                              f"{len(r.response_ids)} response tokens to train")
+        mask = getattr(r, "loss_mask", None)
+        if mask is not None and len(mask) != len(r.response_ids):
+            raise ValueError(f"response {i}: loss_mask of {len(mask)} entries for {len(r.response_ids)} response tokens")
         if not isinstance(r.advantage, (int, float)) and len(r.advantage) != len(r.response_ids):
             raise ValueError(f"response {i}: {len(r.advantage)} per-token advantages for "
                              f"{len(r.response_ids)} response tokens")
@@ -279,7 +290,7 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
         raise ValueError("a mini-batch mixes per-sequence and per-token advantages")
     per_token = bool(per_token) and per_token[0]
     starts, prompt_lens, response_lens, stale = [], [], [], []   # per response; starts are flat positions
-    ids, rollout, token_advantages = [], [], []                  # per token, responses one after the other
+    ids, rollout, token_advantages, trained = [], [], [], []     # per token, responses one after the other
     pad_starts, pad_lens, pad_first = [], [], []                 # per packed row with padding at its end
     places = []
     for b, row in enumerate(rows):
@@ -297,6 +308,8 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
             ids.extend(r.response_ids)
             rollout.extend(r.rollout_logprobs if r.rollout_logprobs is not None else [0.0] * R)
             token_advantages.extend(r.advantage if per_token else (float(r.advantage),))
+            mask = getattr(r, "loss_mask", None)
+            trained.extend(mask if mask is not None else (1,) * R)
             start += P + R
         if packed and start < length:  # padding: its own segment (-1); positions go on from the last response's
             pad_starts.append(b * length + start)
@@ -317,8 +330,8 @@ def _rows(rows: Sequence[Sequence[Trainable]], length: int, packed: bool):
     labels = scatter(_spans(starts_t, L_t - 1), ids_t[_spans(offsets + 1, L_t - 1)])
     targets = _spans(starts_t + P_t - 1, R_t)                     # positions whose label is a response token
     in_response = _spans(torch.zeros_like(R_t), R_t)              # 0 .. R-1 within each response
-    mask = scatter(targets, (in_response >= torch.repeat_interleave(torch.tensor(stale, dtype=torch.long), R_t))
-                   .to(torch.float32))                            # the stale prefix is not trained
+    fresh = in_response >= torch.repeat_interleave(torch.tensor(stale, dtype=torch.long), R_t)  # not a stale prefix
+    mask = scatter(targets, (fresh & torch.tensor(trained, dtype=torch.bool)).to(torch.float32))
     rollout_BS = scatter(targets, torch.tensor(rollout, dtype=torch.float32))
     advantages = (scatter(targets, torch.tensor(token_advantages, dtype=torch.float32)) if per_token
                   else torch.tensor(token_advantages, dtype=torch.float32))
@@ -397,11 +410,13 @@ def pack_minibatch(responses: Sequence[Trainable], *, dp_size: int, dp_rank: int
     return packed
 
 
-def responses_from_samples(samples: Sequence, advantages: Sequence[float] | torch.Tensor) -> list[Response]:
-    """The rollout's Samples (megatron_gspo.microbatch.Sample: prompt_ids, response_ids, rollout_logprobs)
-    paired in order with their advantages (one per sample, e.g. loss.group_advantages(...).advantages_R)."""
+def responses_from_samples(samples: Sequence, advantages: Sequence[float | Sequence[float]] | torch.Tensor
+                           ) -> list[Response]:
+    """The rollout's Samples (samples.Sample: prompt_ids, response_ids, rollout_logprobs, loss_mask, ...)
+    paired in order with their advantages: one per sample (e.g. loss.group_advantages(...).advantages_R), or
+    a list per sample, one per response token (loss.advantages.turn_advantages, gspo_token)."""
     advantages = advantages.tolist() if isinstance(advantages, torch.Tensor) else list(advantages)
     if len(samples) != len(advantages):
         raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
     return [Response(s.prompt_ids, s.response_ids, a, s.rollout_logprobs, getattr(s, "routed_experts", None),
-                     getattr(s, "stale_prefix", 0)) for s, a in zip(samples, advantages)]
+                     getattr(s, "stale_prefix", 0), getattr(s, "loss_mask", None)) for s, a in zip(samples, advantages)]

@@ -21,7 +21,10 @@ from megatron_gspo.model.gpt import check_layout
 from megatron_gspo.model.presets import PRESETS
 from megatron_gspo.paths import relative_path_note
 from megatron_gspo.rewards.verifiers import BOUNDED, load_reward_fn
+from megatron_gspo.rollout.agent.episode import load_episode_fn
+from megatron_gspo.rollout.agent.tools import tool_schemas
 from megatron_gspo.rollout.megatron.sampling import check_sampling
+from megatron_gspo.rollout.sglang.backend import SGLANG_CONTEXT_RESERVE, model_context_length
 from megatron_gspo.rollout.sglang.server import check_sglang_python, default_sglang_python
 from megatron_gspo.samples import Prompt
 from megatron_gspo.rollout.sglang.weight_sync import check_disk_sync_folder
@@ -37,6 +40,8 @@ class Prepared:
     """The training prompts (data.train)."""
     eval_sets: dict[str, list[Prompt]]
     """eval.datasets: name -> the prompts evaluated (the first eval.max_prompts)."""
+    tools: list[dict]
+    """The JSON schemas of rollout.tools (rendered into every prompt); [] without tools."""
 
 
 def _writable(path: str, name: str) -> None:
@@ -104,7 +109,17 @@ def preflight(config: TrainConfig) -> Prepared:
         raise ValueError("data.train is required to train: a .jsonl/.parquet prompt file or a save_to_disk "
                          "directory (see README, 'Train on your own data')")
     check_reward(config.reward)
-    return open_datasets(config)
+    if config.rollout.episode_fn is not None:
+        load_episode_fn(config.rollout.episode_fn)
+    if config.rollout.episodes and config.rollout.max_context_tokens is not None:
+        most = model_context_length(model.hf_path) - SGLANG_CONTEXT_RESERVE
+        if config.rollout.max_context_tokens > most:
+            raise ValueError(f"rollout.max_context_tokens={config.rollout.max_context_tokens} is more than SGLang "
+                             f"serves {name}: at most its max_position_embeddings less {SGLANG_CONTEXT_RESERVE} = {most}")
+    prepared = open_datasets(config)
+    if config.rollout.tools:
+        check_tool_template(prepared.tokenizer, prepared.tools, config.data.chat_template_kwargs)
+    return prepared
 
 
 def check_reward(reward: RewardConfig) -> None:
@@ -139,10 +154,33 @@ def nothing_to_do(config: TrainConfig) -> str | None:
 
 
 def open_datasets(config: TrainConfig) -> Prepared:
-    """The tokenizer of model.hf_path, the training prompts and the eval prompts."""
+    """The tokenizer of model.hf_path, the training prompts and the eval prompts (with rollout.tools rendered
+    into them)."""
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_path)
-    dataset = open_prompt_dataset(config.data.train, config.data, tokenizer, seed=config.seed)
-    eval_sets = {name: open_prompt_dataset([path], config.data, tokenizer, seed=config.seed,
+    tools = tool_schemas(config.rollout.tools) if config.rollout.tools else []
+    dataset = open_prompt_dataset(config.data.train, config.data, tokenizer, seed=config.seed, tools=tools)
+    eval_sets = {name: open_prompt_dataset([path], config.data, tokenizer, seed=config.seed, tools=tools,
                                            field=f"eval.datasets.{name}").eval_prompts(config.eval.max_prompts)
                  for name, path in config.eval.datasets.items()}
-    return Prepared(tokenizer, dataset, eval_sets)
+    return Prepared(tokenizer, dataset, eval_sets, tools)
+
+
+def check_tool_template(tokenizer, tools: list[dict], template_kwargs: dict) -> None:
+    """ValueError unless the chat template renders the tools and a `tool` message (a template without them
+    would drop both silently: the model would never see a tool or its result)."""
+    name = tools[0]["function"]["name"]
+    user = [{"role": "user", "content": "?"}]
+    render = lambda messages, **kw: tokenizer.apply_chat_template(messages, tokenize=False, **kw,  # noqa: E731
+                                                                 **template_kwargs)
+    if render(user, tools=tools) == render(user) or name not in render(user, tools=tools):
+        raise ValueError(f"rollout.tools: the chat template of model.hf_path does not render tools (apply_chat_template "
+                         f"with tools= leaves out {name!r}): use a tokenizer whose template has tools")
+    probe = "\u2063tool result\u2063"
+    try:
+        text = render([*user, {"role": "assistant", "content": "!"}, {"role": "tool", "name": name, "content": probe}])
+    except Exception as e:
+        raise ValueError(f"rollout.tools: the chat template of model.hf_path cannot render a tool message "
+                         f"({type(e).__name__}: {e})") from None
+    if probe not in text:
+        raise ValueError("rollout.tools: the chat template of model.hf_path leaves out a tool message's content: the "
+                         "model would never see a tool's result")

@@ -56,3 +56,22 @@ def test_layout_with_correction_matches_tp1_reference(corrected_reference, name)
     rejection): loss, grad norm and update of every layout equal TP1's."""
     nproc, args = LAYOUTS[name]
     run_checks(WORKER, nproc, corrected_reference, name, *args.split(), "correction=1", checks=5, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def episodes_reference(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("layouts_episodes")
+    run_checks(WORKER, 1, workdir, "reference", "episodes=1", "algorithm=gspo_token", checks=1, timeout=300)
+    return workdir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["dp2xcp2", pytest.param("tp2", marks=pytest.mark.slow)])
+def test_layout_with_multi_turn_episodes_matches_tp1_reference(episodes_reference, name):
+    """Multi-turn episodes (rollout/agent/): environment tokens with loss mask 0 inside each response and per-token
+    advantages per turn (gspo_token): every layout's loss, grad norm and update equal TP1's (the mask and the
+    advantages split with the rows over DP and CP ranks). TP2 (the mask is not split over TP) is in the slow
+    tier: each layout costs ~40 s of the default suite."""
+    nproc, args = LAYOUTS[name]
+    run_checks(WORKER, nproc, episodes_reference, name, *args.split(), "episodes=1", "algorithm=gspo_token",
+               checks=5, timeout=300)

@@ -6,6 +6,8 @@ when the request asks) and can misbehave on purpose: die after k requests, stall
 abort, demand a key, send routing for the wrong number of positions. The weight-update endpoints
 (/begin_weight_update, /update_weights_from_disk, /update_weights_from_tensor, /end_weight_update,
 GET /get_model_info) set and report the weight version, as a weight sync expects, and load nothing.
+With `respond`, a function (input_ids, sampling_params) -> (output_ids, finish type), each sample's output is
+what it says (multi-turn episodes: scripted model turns); the log-prob of output token t is -(t + 1) / 10.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ class FakeSGLang:
     def __init__(self, *, name: str = "fake", die_after: int | None = None, stall: bool = False,
                  delay_s: float = 0.01, null_logprob: bool = False, short_logprobs: bool = False,
                  abort: bool = False, api_key: str | None = None, response_len: int = 3,
-                 routing: tuple[int, int, int] | None = None, routing_extra_positions: int = 0):
+                 routing: tuple[int, int, int] | None = None, routing_extra_positions: int = 0, respond=None,
+                 drop_reused: bool = False):
         self.name = name
         self.die_after = die_after
         self.stall = stall
@@ -39,6 +42,9 @@ class FakeSGLang:
         self.response_len = response_len
         self.routing = routing  # (num_layers, topk, num_experts) of the "model", or None: flag off
         self.routing_extra_positions = routing_extra_positions  # added to the P + R - 1 positions sent
+        self.respond = respond  # (input_ids, sampling_params) -> (output_ids, finish type), or None
+        self.drop_reused = drop_reused  # close a kept-alive connection when a second request comes on it
+        self.dropped = 0
         self.received: list[dict] = []  # every /generate payload that arrived
         self.answered = 0  # answers delivered
         self.connections = 0  # TCP connections accepted
@@ -66,9 +72,14 @@ class FakeSGLang:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         self.connections += 1
+        served = 0
         try:
             while not self.dead:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if self.drop_reused and served:  # as a server that closed the idle connection meanwhile
+                    self.dropped += 1
+                    return
+                served += 1
                 lines = head.decode().split("\r\n")
                 headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
@@ -109,12 +120,26 @@ class FakeSGLang:
         await asyncio.sleep(self.delay_s)
         # One prompt with n samples, or (a batch, as SGLang takes one) prompts one after another with n each.
         batch = payload["input_ids"] if isinstance(payload["input_ids"][0], list) else [payload["input_ids"]]
-        n = payload["sampling_params"]["n"]
+        # sampling_params: one for all, or (a batch, as episodes' turns come) one per prompt
+        per_prompt = payload["sampling_params"] if isinstance(payload["sampling_params"], list) \
+            else [payload["sampling_params"]] * len(batch)
+        n = per_prompt[0]["n"]
         samples = [prompt for prompt in batch for _ in range(n)]
+        params_of = [params for params in per_prompt for _ in range(n)]
         items = []
         for k, prompt in enumerate(samples):
             i = k % n if n > 1 else batch[:k].count(prompt)  # the sample's index among its prompt's samples
             first = prompt[0]
+            if self.respond is not None:
+                ids, finish_type = self.respond(list(prompt), params_of[k])
+                logprobs = [[-(t + 1) / 10, tok, None] for t, tok in enumerate(ids)]
+                finish = {"type": finish_type}
+                if self.abort:
+                    finish = {"type": "abort", "message": "shutting down"}
+                meta = {"id": f"{first}-{i}", "finish_reason": finish, "weight_version": self.name,
+                        "output_token_logprobs": logprobs}
+                items.append({"text": None, "output_ids": ids, "meta_info": meta})
+                continue
             ids = [first * 100 + i * 10 + t for t in range(self.response_len)]
             logprobs = [[None if self.null_logprob and t == 1 else -0.5, tok, None] for t, tok in enumerate(ids)]
             if self.short_logprobs:

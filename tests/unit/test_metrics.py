@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_gspo.rollout.batch_filling import response_length_metrics
+from megatron_gspo.loss.correction import MISMATCH_SUMS, mismatch_metrics
 from megatron_gspo.training.metrics import LEGACY_NAMES, NAMESPACES, MetricsLogger, plot, read_metrics
 
 
@@ -77,6 +78,7 @@ def test_a_metric_outside_the_namespaces_is_refused(tmp_path):
         with pytest.raises(KeyError, match="outside the namespaces .*'made_up'"):
             log.log(1, {"reward/mean": 1.0, "made_up": 2.0})
         log.log(1, {"rollout_step": 1, "moe/routing_changed_fraction/layer_07": 0.1})
+        log.log(2, mismatch_metrics(torch.ones(len(MISMATCH_SUMS), dtype=torch.float64)))  # correction/*, every step
 
 
 def test_the_mismatch_metrics_are_in_a_namespace(tmp_path):

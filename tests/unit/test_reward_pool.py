@@ -237,5 +237,5 @@ def test_workers_0_only_for_functions_known_to_be_bounded():
     # In the calling thread no time limit can be enforced: math (SymPy can hang) and user functions need workers.
     for fn in ("math", "reward_fns:hang_on_hang"):
         with pytest.raises(ValueError, match=rf"workers=0 .*no time limit can be enforced: only for exact_match, "
-                                             rf"final_answer, not '{fn}' \(use workers >= 1\)"):
+                                             rf"final_answer, none, not '{fn}' \(use workers >= 1\)"):
             RewardPool(fn, workers=0)

@@ -226,3 +226,22 @@ def test_several_groups_per_request_come_back_whole_and_in_order(parallel_sampli
     failed = {gid for _, gid, _ in stats.failures}          # a request's groups fail and go again together
     assert failed and all(chunk <= failed or not chunk & failed for chunk in ({0, 1, 2}, {3, 4, 5}, {6, 7}))
     assert a.answered + b.answered == 3 and a.url in stats.retired  # each request delivered once
+
+
+def test_a_connection_the_server_closed_is_replaced_without_counting_a_failure():
+    """Kept-alive connections a healthy server closed (uvicorn after 5 s idle; episodes send hundreds of short
+    requests) fail the request sent on them: it goes again on a new connection at once, uncounted. Counted, two
+    in a row would retire the only server."""
+    async def main():
+        async with FakeSGLang(name="a", drop_reused=True) as a:
+            client = RolloutClient([a.url], RolloutConfig(concurrency=1, max_server_failures=2, **FAST))
+            await client.keep_connections()
+            try:
+                for _ in range(4):   # one kept-alive client: every call after the first meets a closed connection
+                    groups, stats = await client.generate(prompts(2), G, SamplingConfig(max_new_tokens=3))
+                    assert_complete(groups, 2)
+                    assert not stats.failures
+            finally:
+                await client.close_connections()
+            return a.dropped
+    assert run(main()) >= 4

@@ -77,12 +77,13 @@ def test_exact_match():
 def test_load_builtins_and_user_functions():
     assert load_reward_fn("math") is math_reward and load_reward_fn("exact_match") is exact_match
     assert load_reward_fn("final_answer") is final_answer
-    assert set(BUILTIN) == {"math", "exact_match", "final_answer"}
+    assert set(BUILTIN) == {"math", "exact_match", "final_answer", "none"}
+    assert load_reward_fn("none")(sample("anything", "7")) == 0.0   # episodes whose ep.add_reward gives all
     assert load_reward_fn("reward_fns:nan").__name__ == "nan"
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nosuch", r"expected a built-in \(exact_match, final_answer, math\) or 'package.module:function'"),
+    ("nosuch", r"expected a built-in \(exact_match, final_answer, math, none\) or 'package.module:function'"),
     ("reward_fns:", "expected a built-in"),
     (":nan", "expected a built-in"),
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),

@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import httpx
 
@@ -43,6 +43,13 @@ def sglang_sampling_params(sampling: SamplingConfig, n: int) -> dict:
     if sampling.stop:
         params["stop"] = list(sampling.stop)
     return params
+
+
+KEEPALIVE_EXPIRY_S = 4.0
+"""An idle connection is not reused after this long: SGLang's HTTP server (uvicorn) closes one idle for 5 s
+(SGLANG_TIMEOUT_KEEP_ALIVE), httpx's default expiry is the same 5 s. Requests on connections the server closed
+anyway are sent again (`RolloutClient._post`): with episodes (hundreds of short requests per rollout) two of them
+at once retired the only server ("all 1 servers failed ... ReadError (BrokenPipeError)")."""
 
 
 class RolloutError(RuntimeError):
@@ -101,7 +108,8 @@ class RolloutClient:
         cfg = self.settings
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
         connections = cfg.concurrency * len(self.urls)
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         return httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(cfg.api_key), verify=tls_context())
 
     def generate_sync(self, prompts: Sequence[Prompt], n: int,
@@ -118,65 +126,63 @@ class RolloutClient:
         ids = [p.group_id for p in prompts]
         if len(set(ids)) != len(ids):
             raise ValueError("group_id must be unique per prompt")
-        cfg = self.settings
-        servers = [_Server(u, cfg.concurrency) for u in self.urls]
-        stats = RolloutStats(requests_ok={s.url: 0 for s in servers})
-        round_robin = itertools.cycle(range(len(servers)))
-        start = time.monotonic()
+        async with self.session() as session:
+            async def run_request(chunk: Sequence[Prompt]) -> list[list[Sample]]:
+                groups = await session.attempt(
+                    lambda http, url: self._request(http, url, chunk, n, sampling, session.stats.server_intervals),
+                    [p.group_id for p in chunk])
+                for samples in groups if on_group is not None else ():
+                    on_group(samples)
+                return groups
+
+            k = self.settings.groups_per_request
+            groups = [g for chunk in await session.gather(run_request(prompts[i:i + k])
+                                                          for i in range(0, len(prompts), k)) for g in chunk]
+        stats = session.stats
+        stats.response_tokens = sum(len(s.response_ids) for g in groups for s in g)
+        return groups, stats
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        """One rollout call's view of the servers (a `Session`: live servers, failover, stats), over this event
+        loop's kept HTTP client or a new one. Its stats get the call's elapsed time when the block ends."""
         kept = self._kept.get(asyncio.get_running_loop())
         async with contextlib.nullcontext(kept) if kept is not None else self._new_http() as http:
-            async def run_request(chunk: Sequence[Prompt]) -> list[list[Sample]]:
-                tried: set[str] = set()
-                failed_attempts = 0
-                while failed_attempts < cfg.max_attempts:
-                    server = _pick(servers, round_robin, tried)
-                    if server is None:
-                        raise RolloutError(f"all {len(servers)} servers failed; last errors: "
-                                           + "; ".join(f"{s.url}: {s.retired_because}" for s in servers))
-                    async with server.slots:
-                        if server.retired_because is not None:
-                            continue  # retired while this group waited for a slot: pick again
-                        try:
-                            groups = await self._request(http, server.url, chunk, n, sampling,
-                                                         stats.server_intervals)
-                        except _RetryableError as e:
-                            groups = None
-                            failed_attempts += 1
-                            stats.failures += [(server.url, p.group_id, str(e)) for p in chunk]
-                            tried.add(server.url)
-                            server.consecutive_failures += 1
-                            if (server.consecutive_failures >= cfg.max_server_failures
-                                    and server.retired_because is None):
-                                server.retired_because = str(e)
-                                stats.retired[server.url] = str(e)
-                    if groups is None:
-                        await asyncio.sleep(cfg.retry_backoff_s * 2 ** (failed_attempts - 1))
-                        continue
-                    server.consecutive_failures = 0
-                    stats.requests_ok[server.url] += 1
-                    for samples in groups if on_group is not None else ():
-                        on_group(samples)
-                    return groups
-                first = chunk[0].group_id
-                errors = [f"{url}: {err}" for url, gid, err in stats.failures if gid == first]
-                which = f"group {first}" if len(chunk) == 1 else f"groups {', '.join(str(p.group_id) for p in chunk)}"
-                raise RolloutError(f"{which} failed after {cfg.max_attempts} attempts: " + "; ".join(errors))
-
-            k = cfg.groups_per_request
-            tasks = [asyncio.create_task(run_request(prompts[i:i + k])) for i in range(0, len(prompts), k)]
+            session = Session(self, http)
             try:
-                # raises the first fatal error ...
-                groups = [g for chunk in await asyncio.gather(*tasks) for g in chunk]
-            except BaseException:
-                for task in tasks:  # ... after which the other groups are cancelled, not left running
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        stats.elapsed_s = time.monotonic() - start
-        stats.response_tokens = sum(len(s.response_ids) for g in groups for s in g)
+                yield session
+            finally:
+                await session.close()
+        session.stats.elapsed_s = time.monotonic() - session.started
         if profiling.enabled():
-            profiling.add(profiling.current() + "/in_server", _covered(stats.server_intervals))
-        return groups, stats
+            profiling.add(profiling.current() + "/in_server", _covered(session.stats.server_intervals))
+
+    async def _post(self, http: httpx.AsyncClient, url: str, payload: dict, what: str):
+        """POST /generate; the answer's JSON body. _RetryableError for failures in transit, RolloutError for
+        answers a retry cannot fix. A request whose connection failed under it (`_stale_connection`) is sent once
+        more at once on a new connection: such failures come several at a time from a healthy server and must not
+        count towards retiring it; a server that is really gone fails the new connection too."""
+        try:
+            response = await http.post(f"{url}/generate", json=payload)
+        except httpx.TransportError as e:  # refused, reset, timeout, protocol error
+            if not _stale_connection(e):
+                raise _RetryableError(_transport_error(e)) from e
+            async with self._new_http() as fresh:
+                try:
+                    response = await fresh.post(f"{url}/generate", json=payload)
+                except httpx.TransportError as again:
+                    raise _RetryableError(_transport_error(again)) from again
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _RetryableError(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code in (401, 403):
+            raise RolloutError(f"server {url} rejected the request with HTTP {response.status_code} "
+                               f"(wrong or missing API key?): {response.text[:200]}")
+        if response.status_code != 200:
+            raise RolloutError(f"server {url} answered HTTP {response.status_code} for {what}: {response.text[:500]}")
+        try:
+            return response.json()
+        except ValueError as e:
+            raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
 
     async def _request(self, http: httpx.AsyncClient, url: str, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingConfig, intervals: list | None = None) -> list[list[Sample]]:
@@ -191,23 +197,8 @@ class RolloutClient:
         routing = self.routed_experts
         if routing is not None:
             payload["return_routed_experts"] = True  # one flag for all n samples (io_struct.py:1001)
-        try:
-            response = await http.post(f"{url}/generate", json=payload)
-        except httpx.TransportError as e:  # refused, reset, timeout, protocol error
-            raise _RetryableError(f"{type(e).__name__}: {e}".rstrip(": ")) from e
-        if response.status_code >= 500 or response.status_code == 429:
-            raise _RetryableError(f"HTTP {response.status_code}: {response.text[:200]}")
-        if response.status_code in (401, 403):
-            raise RolloutError(f"server {url} rejected the request with HTTP {response.status_code} "
-                               f"(wrong or missing API key?): {response.text[:200]}")
-        if response.status_code != 200:
-            raise RolloutError(f"server {url} answered HTTP {response.status_code} for group(s) "
-                               f"{', '.join(str(p.group_id) for p in prompts)}: {response.text[:500]}")
+        body = await self._post(http, url, payload, f"group(s) {', '.join(str(p.group_id) for p in prompts)}")
         with profiling.span(profiling.current() + "/parse"):  # no await inside: spans nest per thread
-            try:
-                body = response.json()
-            except ValueError as e:
-                raise ServerResponseError(f"server {url}: /generate answer is not JSON: {response.text[:200]}") from e
             items = [body] if isinstance(body, dict) else body
             if len(prompts) > 1 and (not isinstance(items, list) or len(items) != n * len(prompts)):
                 got = len(items) if isinstance(items, list) else type(items).__name__
@@ -219,6 +210,151 @@ class RolloutClient:
         if intervals is not None:
             intervals.extend(_server_interval(item) for item in (body if isinstance(body, list) else [body]))
         return groups
+
+    async def _turns(self, http: httpx.AsyncClient, url: str, turns: Sequence[tuple], intervals: list | None = None
+                     ) -> list["Output"]:
+        """One /generate request for model turns of episodes, each (input_ids, params, group_id, where): one
+        continuation each (n = 1), in order. Several go as SGLang's batch form (lists of input_ids and of
+        sampling_params)."""
+        ids = [list(t[0]) for t in turns]
+        params = [{**t[1], "n": 1} for t in turns]
+        single = len(turns) == 1
+        payload = {"input_ids": ids[0] if single else ids, "sampling_params": params[0] if single else params,
+                   "return_logprob": True, "logprob_start_len": -1}
+        what = turns[0][3] if single else f"{len(turns)} turns ({turns[0][3]}, ...)"
+        body = await self._post(http, url, payload, what)
+        items = [body[0] if isinstance(body, list) and len(body) == 1 else body] if single else body
+        if not isinstance(items, list) or len(items) != len(turns) or not all(isinstance(i, dict) for i in items):
+            raise ServerResponseError(f"server {url}, {what}: expected {len(turns)} samples, got "
+                                      f"{len(items) if isinstance(items, list) else type(items).__name__}")
+        if intervals is not None:
+            intervals.extend(_server_interval(item) for item in items)
+        return [parse_output(item, f"{url}, {t[3]}") for item, t in zip(items, turns)]
+
+
+class Session:
+    """One rollout call's servers: `attempt(send, group_ids)` runs `send(http, url)` on the next live server
+    (round robin, at most rollout.concurrency in flight on each) and on another when it fails in transit,
+    retiring a server after rollout.max_server_failures failures in a row (module docstring). `stats` counts
+    what happened. Made by `RolloutClient.session()`."""
+
+    def __init__(self, client: RolloutClient, http: httpx.AsyncClient):
+        self.client, self.http = client, http
+        self.servers = [_Server(u, client.settings.concurrency) for u in client.urls]
+        self.stats = RolloutStats(requests_ok={s.url: 0 for s in self.servers})
+        self.started = time.monotonic()
+        self._round_robin = itertools.cycle(range(len(self.servers)))
+        self._waiting: list[tuple] = []      # episodes' turns not yet sent: (ids, params, group, where, future)
+        self._sending: set[asyncio.Task] = set()
+
+    async def attempt(self, send: Callable, group_ids: Sequence[int]):
+        """`await send(http, url)` on a live server, retried on others (rollout.max_attempts in all); its result."""
+        cfg = self.client.settings
+        tried: set[str] = set()
+        failed_attempts = 0
+        while failed_attempts < cfg.max_attempts:
+            server = _pick(self.servers, self._round_robin, tried)
+            if server is None:
+                raise RolloutError(f"all {len(self.servers)} servers failed; last errors: "
+                                   + "; ".join(f"{s.url}: {s.retired_because}" for s in self.servers))
+            async with server.slots:
+                if server.retired_because is not None:
+                    continue  # retired while this request waited for a slot: pick again
+                try:
+                    result = await send(self.http, server.url)
+                except _RetryableError as e:
+                    failed_attempts += 1
+                    self.stats.failures += [(server.url, gid, str(e)) for gid in group_ids]
+                    tried.add(server.url)
+                    server.consecutive_failures += 1
+                    if server.consecutive_failures >= cfg.max_server_failures and server.retired_because is None:
+                        server.retired_because = str(e)
+                        self.stats.retired[server.url] = str(e)
+                    result = _FAILED
+            if result is _FAILED:
+                await asyncio.sleep(cfg.retry_backoff_s * 2 ** (failed_attempts - 1))
+                continue
+            server.consecutive_failures = 0
+            self.stats.requests_ok[server.url] += 1
+            return result
+        first = group_ids[0]
+        errors = [f"{url}: {err}" for url, gid, err in self.stats.failures if gid == first]
+        which = f"group {first}" if len(group_ids) == 1 else f"groups {', '.join(map(str, group_ids))}"
+        raise RolloutError(f"{which} failed after {cfg.max_attempts} attempts: " + "; ".join(errors))
+
+    async def turn(self, input_ids: Sequence[int], params: dict, group_id: int, where: str) -> "Output":
+        """One model turn of an episode: a continuation of `input_ids` with SGLang sampling_params `params`
+        (n = 1). The turns that episodes ask for at the same moment (in one pass of the event loop) go together,
+        up to rollout.turns_per_request in one /generate request (SGLang's batch form), failing over as one."""
+        if self.client.settings.turns_per_request == 1:
+            return (await self._send_turns([(input_ids, params, group_id, where)]))[0]
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((input_ids, params, group_id, where, future))
+        if len(self._waiting) == 1:  # after the other episodes ready in this pass have asked for theirs
+            asyncio.get_running_loop().call_soon(self._dispatch)
+        return await future
+
+    def _dispatch(self) -> None:
+        k = self.client.settings.turns_per_request
+        while self._waiting:
+            batch, self._waiting = self._waiting[:k], self._waiting[k:]
+            task = asyncio.create_task(self._resolve(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _resolve(self, batch: list) -> None:
+        try:
+            outputs = await self._send_turns([item[:4] for item in batch])
+        except BaseException as e:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for (*_, future), output in zip(batch, outputs):
+            if not future.done():  # its episode may have been cancelled meanwhile
+                future.set_result(output)
+
+    async def _send_turns(self, turns: list[tuple]) -> list["Output"]:
+        return await self.attempt(lambda http, url: self.client._turns(http, url, turns, self.stats.server_intervals),
+                                  [t[2] for t in turns])
+
+    async def close(self) -> None:
+        """Cancel the turn requests still being sent (their episodes were cancelled)."""
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
+
+    async def gather(self, coroutines) -> list:
+        """The results of the coroutines run as tasks, in order; on the first error the others are cancelled,
+        not left running, and the error raised."""
+        tasks = [asyncio.create_task(c) for c in coroutines]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+
+_FAILED = object()
+
+
+def _stale_connection(e: httpx.TransportError) -> bool:
+    """The request failed on an open connection before an answer came: a write or read error (broken pipe, reset,
+    the stream closed under it) or a server that disconnected without answering; not a timeout or a refused
+    connection. Seen on healthy SGLang servers under many short requests (episodes): kept-alive connections the
+    server closed, and anyio streams closed under a read (ReadError from ClosedResourceError)."""
+    return isinstance(e, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+
+
+def _transport_error(e: BaseException) -> str:
+    """"ReadError" and the like, with the first cause that says more (httpx's own messages are often empty)."""
+    text = f"{type(e).__name__}: {e}".rstrip(": ")
+    cause = e.__cause__ or e.__context__
+    while cause is not None and not str(cause):
+        cause = cause.__cause__ or cause.__context__
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None and str(cause) not in text else text
 
 
 def _server_interval(item: dict) -> tuple[float, float]:
@@ -252,6 +388,47 @@ def _pick(servers: list[_Server], round_robin, tried: set[str]) -> _Server | Non
             return candidate
 
 
+class Output(NamedTuple):
+    """One sample of a /generate answer, checked."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """"stop" or "length"."""
+    meta: dict
+    """Its meta_info (weight_version, weight_versions, routed_experts, ...)."""
+    text: str | None
+
+
+def parse_output(item, where: str) -> Output:
+    """One sample of SGLang's /generate answer, checked: ServerResponseError for anything the trainer cannot
+    use, _RetryableError for an aborted sample (the server is shutting down or dropped the request)."""
+    try:
+        output_ids = item["output_ids"]
+        meta = item["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        token_logprobs = meta["output_token_logprobs"]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ServerResponseError(f"{where}: missing field {e} in /generate answer (was return_logprob sent?)") from e
+    if finish == "abort":
+        raise _RetryableError(f"{where} aborted: {meta.get('finish_reason')}")
+    if finish not in ("stop", "length"):
+        raise ServerResponseError(f"{where}: unexpected finish_reason {finish!r}")
+    if len(token_logprobs) != len(output_ids):
+        raise ServerResponseError(f"{where}: {len(output_ids)} output ids but {len(token_logprobs)} log-probs")
+    logprobs = []
+    for pos, (entry, token) in enumerate(zip(token_logprobs, output_ids)):
+        logprob, entry_token = entry[0], entry[1]
+        if entry_token != token:
+            raise ServerResponseError(f"{where}, token {pos}: log-prob is for token {entry_token} but the output "
+                                      f"id is {token}")
+        if logprob is None or not math.isfinite(logprob):
+            raise ServerResponseError(f"{where}, token {pos} (id {token}): log-prob is {logprob!r} (NaN/inf "
+                                      "logits on the server?)")
+        logprobs.append(float(logprob))
+    return Output(list(output_ids), logprobs, finish, meta, item.get("text"))
+
+
 def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server", *,
                             routing: RoutingSpec | None = None, weight_spans: bool = False) -> list[Sample]:
     """SGLang's /generate answer for one prompt with n samples -> n Samples (validated). With `routing`,
@@ -269,31 +446,8 @@ def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server", *
                                   f"{len(items) if isinstance(items, list) else type(items).__name__}")
     samples = []
     for index, item in enumerate(items):
-        try:
-            output_ids = item["output_ids"]
-            meta = item["meta_info"]
-            finish = (meta.get("finish_reason") or {}).get("type")
-            token_logprobs = meta["output_token_logprobs"]
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ServerResponseError(f"{where}, sample {index}: missing field {e} in /generate answer "
-                                      "(was return_logprob sent?)") from e
-        if finish == "abort":
-            raise _RetryableError(f"sample {index} aborted: {meta.get('finish_reason')}")
-        if finish not in ("stop", "length"):
-            raise ServerResponseError(f"{where}, sample {index}: unexpected finish_reason {finish!r}")
-        if len(token_logprobs) != len(output_ids):
-            raise ServerResponseError(f"{where}, sample {index}: {len(output_ids)} output ids but "
-                                      f"{len(token_logprobs)} log-probs")
-        logprobs = []
-        for pos, (entry, token) in enumerate(zip(token_logprobs, output_ids)):
-            logprob, entry_token = entry[0], entry[1]
-            if entry_token != token:
-                raise ServerResponseError(f"{where}, sample {index}, token {pos}: log-prob is for token "
-                                          f"{entry_token} but the output id is {token}")
-            if logprob is None or not math.isfinite(logprob):
-                raise ServerResponseError(f"{where}, sample {index}, token {pos} (id {token}): log-prob is "
-                                          f"{logprob!r} (NaN/inf logits on the server?)")
-            logprobs.append(float(logprob))
+        out = parse_output(item, f"{where}, sample {index}")
+        meta = out.meta
         routed = None
         if routing is not None:
             if meta.get(META_KEY) is None:
@@ -301,16 +455,16 @@ def parse_generate_response(body, prompt: Prompt, n: int, url: str = "server", *
                                           "(is the server started with --enable-return-routed-experts?)")
             try:
                 routed = decode_routed_experts(meta[META_KEY], prompt_len=len(prompt.prompt_ids),
-                                               response_len=len(output_ids), spec=routing,
+                                               response_len=len(out.ids), spec=routing,
                                                where=f"{where}, sample {index}")
             except ValueError as e:
                 raise ServerResponseError(str(e)) from None
         version, stale = meta.get("weight_version"), 0
         if meta.get("weight_versions") is not None or weight_spans:
-            version, stale = stale_prefix(meta.get("weight_versions"), len(output_ids), f"{where}, sample {index}")
+            version, stale = stale_prefix(meta.get("weight_versions"), len(out.ids), f"{where}, sample {index}")
         samples.append(Sample(group_id=prompt.group_id, sample_index=index, prompt_ids=list(prompt.prompt_ids),
-                              response_ids=list(output_ids), rollout_logprobs=logprobs, finish_reason=finish,
-                              weight_version=version, stale_prefix=stale, response_text=item.get("text"),
+                              response_ids=out.ids, rollout_logprobs=out.logprobs, finish_reason=out.finish_reason,
+                              weight_version=version, stale_prefix=stale, response_text=out.text,
                               prompt=prompt.prompt, answer=prompt.answer, metadata=prompt.metadata,
                               routed_experts=routed))
     return samples

@@ -2,8 +2,11 @@
 
 usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [microbatches=N]
                                                             [algorithm=gspo|gspo_token|grpo] [correction=0|1]
+                                                            [episodes=0|1]
 (1, 1 micro-batch per DP rank, gspo and no correction where absent; dp takes the other ranks:
-trainer_common.worker_args). correction=1: the step also carries train-inference correction weights
+trainer_common.worker_args). episodes=1: every response is a two-turn episode, environment tokens (mask 0)
+between its turns, each turn's tokens with its own advantage (loss/advantages.py turn_advantages; per-token
+advantages, for gspo_token). correction=1: the step also carries train-inference correction weights
 (geometric TIS, capped) and a token rejection, computed from sampler log-probs that differ from pi_old's by a
 fixed per-token noise (the same on every layout), as training/old_logprobs.py computes them on whole rows.
 
@@ -29,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_gspo.config import CorrectionConfig, ParallelConfig
 from megatron_gspo.loss.correction import apply_correction
-from megatron_gspo.loss.advantages import group_advantages
+from megatron_gspo.loss.advantages import group_advantages, turn_advantages
 from megatron_gspo.model.gpt import TINY_MOE, build_model, model_process_groups, transformer_config
 from megatron_gspo.parallel.context_parallel import gather_from_cp
 from megatron_gspo.parallel.groups import init_megatron
@@ -46,28 +49,37 @@ B, S, G = 8, 32, 4
 OLD_SHIFT = torch.tensor([0.0, 1e-4, -1e-4, 2e-3, -2e-3, 5e-5, -1e-3, 1e-3])
 
 
-def global_batch(vocab: int):
-    """The same 8 sequences on every rank: prompt, response of varied length, right padding."""
+def global_batch(vocab: int, episodes: bool = False):
+    """The same 8 sequences on every rank: prompt, response of varied length, right padding. `episodes`: each
+    response a model turn, environment tokens, a model turn; per-token advantages of the turns' returns."""
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, vocab, (B, S), generator=g)
     loss_mask = torch.zeros(B, S)
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+    turn_rewards = [[0.5 * (i % 3 == 0), float(r) - 0.5 * (i % 3 == 0)] for i, r in enumerate(rewards.tolist())]
+    per_turn = turn_advantages(turn_rewards, rewards.tolist(), G)
+    advantages_BS = torch.zeros(B, S)
     for i in range(B):
         prompt = int(torch.randint(3, 9, (), generator=g))
-        response = int(torch.randint(1, S - prompt, (), generator=g))
+        response = int(torch.randint(7 if episodes else 1, S - prompt, (), generator=g))
         tokens[i, prompt + response:] = 0
         loss_mask[i, prompt - 1: prompt + response - 1] = 1  # logits at s predict token s+1
+        if episodes:  # environment tokens in the response's middle third: not trained
+            env = slice(prompt - 1 + response // 3, prompt - 1 + 2 * response // 3)
+            loss_mask[i, env] = 0
+            advantages_BS[i, prompt - 1:env.start] = per_turn[i][0]
+            advantages_BS[i, env.stop:prompt + response - 1] = per_turn[i][1]
     labels = torch.roll(tokens, -1, dims=1)
-    rewards = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-    advantages = group_advantages(rewards, G).advantages_R
+    advantages = advantages_BS if episodes else group_advantages(rewards, G).advantages_R
     return tokens, labels, loss_mask, advantages
 
 
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo", correction=False)
+    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo", correction=False, episodes=False)
     pgs = init_megatron(layout, seed=1234)
     model, module, init_params = load_model(workdir, name, layout, pgs)
-    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm, options.correction)
+    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm, options.correction, options.episodes)
     if name == "reference":
         save_reference(workdir, module, step, options.correction)
     else:
@@ -105,11 +117,12 @@ SAMPLER_NOISE = 0.006
 """Scale of the sampler's per-token log-prob error (mu = pi_old + noise)."""
 
 
-def gspo_step(model, cp: int, num_mb: int, algorithm: str, correction: bool = False) -> StepResult:
+def gspo_step(model, cp: int, num_mb: int, algorithm: str, correction: bool = False,
+              episodes: bool = False) -> StepResult:
     """Recompute old log-probs (forward only), then one GSPO step with SGD (lr 1, no momentum)."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), model)
-    tokens, labels, loss_mask, advantages = global_batch(TINY_MOE.vocab_size)
+    tokens, labels, loss_mask, advantages = global_batch(TINY_MOE.vocab_size, episodes)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = B // dp
     mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
