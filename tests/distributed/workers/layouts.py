@@ -1,18 +1,22 @@
 """One launch per parallel layout: per-token log-probs and one full GSPO step, compared with TP1.
 
 usage: torchrun --nproc-per-node N layouts.py WORKDIR NAME [tp=N] [pp=N] [cp=N] [ep=N] [microbatches=N]
-                                                            [algorithm=gspo|gspo_token|grpo] [correction=0|1]
-                                                            [episodes=0|1]
-(1, 1 micro-batch per DP rank, gspo and no correction where absent; dp takes the other ranks:
-trainer_common.worker_args). episodes=1: every response is a two-turn episode, environment tokens (mask 0)
-between its turns, each turn's tokens with its own advantage (loss/advantages.py turn_advantages; per-token
-advantages, for gspo_token). correction=1: the step also carries train-inference correction weights
-(geometric TIS, capped) and a token rejection, computed from sampler log-probs that differ from pi_old's by a
-fixed per-token noise (the same on every layout), as training/old_logprobs.py computes them on whole rows.
+                                                            [algorithm=gspo|gspo_token|grpo]
+                                                            [variants=plain+correction+episodes]
+(1, 1 micro-batch per DP rank, gspo and variants=plain where absent; dp takes the other ranks:
+trainer_common.worker_args). `variants`: the steps this launch runs one after the other on the same processes,
+each from the initial weights, each compared with the reference's step of that variant (a launch costs far
+more than a step):
+  plain       the batch as it is, `algorithm`;
+  correction  the step also carries train-inference correction weights (geometric TIS, capped) and a token
+              rejection, computed from sampler log-probs that differ from pi_old's by a fixed per-token noise
+              (the same on every layout), as training/old_logprobs.py computes them on whole rows;
+  episodes    every response is a two-turn episode, environment tokens (mask 0) between its turns, each turn's
+              tokens with its own advantage (loss/advantages.py turn_advantages), trained with gspo_token.
 
-NAME "reference" (one process, TP1): builds the tiny Qwen3-MoE from a seed, saves WORKDIR/init,
-recomputes old log-probs (forward only), runs one GSPO step (loss, backward, SGD step) and saves
-WORKDIR/reference.pt and the updated weights in WORKDIR/after.
+NAME "reference" (one process, TP1): builds the tiny Qwen3-MoE from a seed, saves WORKDIR/init, and per
+variant recomputes old log-probs (forward only), runs one GSPO step (loss, backward, SGD step) and saves
+WORKDIR/VARIANT/reference.pt and the updated weights in WORKDIR/VARIANT/after.
 Any other NAME loads WORKDIR/init into its layout, does the same, and checks against the reference:
 per-token log-probs within 1e-5, the same loss and grad norm, and the same parameter update
 (the reference's updated checkpoint is loaded resharded into this layout and compared shard by shard).
@@ -74,16 +78,27 @@ def global_batch(vocab: int, episodes: bool = False):
     return tokens, labels, loss_mask, advantages
 
 
+VARIANTS = ("plain", "correction", "episodes")
+
+
 def main() -> None:
     workdir, name = Path(sys.argv[1]), sys.argv[2]
-    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo", correction=False, episodes=False)
+    layout, options = worker_args(sys.argv[3:], microbatches=1, algorithm="gspo", variants="plain")
+    variants = options.variants.split("+")
+    if not set(variants) <= set(VARIANTS) or len(set(variants)) != len(variants):
+        raise ValueError(f"variants={options.variants}: each of {', '.join(VARIANTS)} at most once, joined by +")
     pgs = init_megatron(layout, seed=1234)
     model, module, init_params = load_model(workdir, name, layout, pgs)
-    step = gspo_step(model, layout.cp, options.microbatches, options.algorithm, options.correction, options.episodes)
-    if name == "reference":
-        save_reference(workdir, module, step, options.correction)
-    else:
-        compare_with_reference(workdir, name, layout, module, init_params, step)
+    for n, variant in enumerate(variants):
+        if n:  # every variant starts from the initial weights
+            module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+        algorithm = "gspo_token" if variant == "episodes" else options.algorithm
+        step = gspo_step(model, layout.cp, options.microbatches, algorithm, correction=variant == "correction",
+                         episodes=variant == "episodes")
+        if name == "reference":
+            save_reference(workdir / variant, module, step, variant == "correction")
+        else:
+            compare_with_reference(workdir / variant, f"{name} {variant}", layout, module, init_params, step)
     done()
 
 
@@ -187,6 +202,7 @@ def save_reference(workdir: Path, module, step: StepResult, correction: bool) ->
         if correction:  # and the correction caps some, not all, sequences' weights and rejects some tokens
             capped, rejected = step.corrected
             assert 0 < capped < B and rejected > 0, step.corrected
+    workdir.mkdir()
     torch.save({"logprobs": step.logprobs, "loss": step.loss, "grad_norm": step.grad_norm, "clipped": step.clipped},
                workdir / "reference.pt")
     (workdir / "after").mkdir()
