@@ -310,6 +310,7 @@ def plot(arms: dict[str, dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
     names = list(arms)
+    all_buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
     for i, (name, a) in enumerate(arms.items()):
         color = f"C{i}"
         curve = a["reward_curve"]
@@ -328,17 +329,17 @@ def plot(arms: dict[str, dict], path: Path) -> None:
             pts = [(j + 1, m) for j, m in enumerate(mean) if m is not None]
             if pts:
                 ax.plot(*zip(*pts), color=color, marker=".", label=name)
-        buckets = list(a["by_length"])
-        for j, b in enumerate(buckets):
-            c = a["by_length"][b]
+        labelled = False
+        for b in a["by_length"]:
+            j, c = all_buckets.index(b), a["by_length"][b]
             if c["log_w_std"]["mean"] is None:
                 continue
             xpos = j * (len(names) + 1) + i
             axes[1, 1].bar(xpos, c["log_w_std"]["mean"], color=color, alpha=0.9,
-                           yerr=c["log_w_std"]["std"], label=f"{name} log w_t" if j == 0 else None)
+                           yerr=c["log_w_std"]["std"], label=None if labelled else f"{name} log w_t")
             axes[1, 1].bar(xpos, c["log_s_std"]["mean"], color="k", alpha=0.35, width=0.5,
-                           label="log s_i (black)" if (i == 0 and j == 0) else None)
-    all_buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+                           label="log s_i (black)" if (i == 0 and not labelled) else None)
+            labelled = True
     axes[1, 1].set_xticks([j * (len(names) + 1) + (len(names) - 1) / 2 for j in range(len(all_buckets))], all_buckets)
     axes[0, 0].set(title="train reward (mean over seeds, min..max shaded)", xlabel="rollout step")
     axes[0, 1].set(title="held-out mean@k (each seed)", xlabel="rollout step")
