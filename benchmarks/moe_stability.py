@@ -1,36 +1,43 @@
-"""The GSPO paper's MoE comparison (arXiv 2507.18071, section 4.3, Fig. 3), scaled to a CPU, in one command.
+"""The GSPO paper's MoE comparison (arXiv 2507.18071, section 4.3, Fig. 3), scaled to a CPU, in GSPO's regime.
 
-    python benchmarks/moe_stability.py                      # 3 arms x 100 rollout steps (~15 min on 2 cores)
-    python benchmarks/moe_stability.py --steps 20 --arms gspo,grpo_replay
-    python benchmarks/moe_stability.py --arms gspo,grpo,grpo_replay,gspo_replay,grpo_rollout_logprobs
+    python benchmarks/moe_stability.py                         # 5 arms x 3 seeds x --steps rollout steps
+    python benchmarks/moe_stability.py --arms gspo,grpo --seeds 2 --steps 8
+    python benchmarks/moe_stability.py --preset smoke          # 2 arms x 1 seed x 2 steps (the test's)
+    python benchmarks/moe_stability.py --no-train              # summarize the runs already in OUT
+    python benchmarks/moe_stability.py --only-model            # make OUT/hf (the format warm start) and stop
 
-The paper: on Qwen3-30B-A3B (48 layers), ~10% of the experts activated for the same response change after
-each gradient update, so GRPO's token ratios compare different networks and GRPO needs Routing Replay to
-converge; GSPO's sequence ratio trains without it, and clips about two orders of magnitude more tokens
-(its band is 3e-4/4e-4 against GRPO's 0.2/0.27) while learning better. Here: a tiny but deeper Qwen3-MoE
-(8 layers, 8 experts, top-2, format-warm-started on the arithmetic task so rewards start at chance),
-examples/paper_moe/config.yaml (in-process rollouts on two processes with expert parallelism, G=8,
-16 prompts per step, K=4 mini-batches, dynamic sampling off so every arm reads the same prompts),
-the same initial weights and seed for every arm:
+The paper: on Qwen3-30B-A3B, ~10% of the experts activated for the same response change after each
+gradient update, so GRPO's token ratios w_t compare different networks and GRPO needs Routing Replay to
+converge; GSPO's sequence ratio s_i (the geometric mean of a response's token ratios) trains without it,
+and clips about two orders of magnitude more tokens (band 3e-4/4e-4 against GRPO's 0.2/0.27).
 
-  gspo                   GSPO, band 3e-4 / 4e-4
-  grpo                   GRPO, band 0.2 / 0.27 (the paper's), no replay
-  grpo_replay            GRPO + Routing Replay (gspo.routing_replay=old: pi_old's routing replayed)
-  gspo_replay            GSPO + Routing Replay (optional)
-  grpo_rollout_logprobs  GRPO with the sampler's log-probs as pi_old (gspo.old_logprobs=rollout; optional)
+Here (examples/paper_moe/config.yaml): a tiny but deeper Qwen3-MoE (8 layers, 8 experts, top-2) format-
+warm-started on task long_addition (responses of ~74 tokens, the final answer at chance), SGLang rollouts on
+CPU, EP2 on two processes, G=8 x 16 prompts, K=4 mini-batches, the same initial weights for every arm and
+every seed, and for a given seed the same prompts in the same order:
 
-Per arm it prints and writes (OUT/results.md, OUT/moe_stability.png): train reward (10-step means at the
-start and the end), held-out mean@16 (first and last eval), the clipped fraction by token, the MoE routing
-changed fraction and the spreads of log w_t (token ratios) and log s_i (sequence ratios) over the
-mini-batches after the first (the first is on-policy: 0 by construction), the median step and train
-times, and the replay's time overhead (GRPO + replay vs GRPO). Every number comes from the arms'
-metrics.jsonl, written by the trainer itself.
+  gspo      GSPO, band 3e-4 / 4e-4
+  grpo      GRPO, band 0.2 / 0.27, no routing replay
+  grpo_r2   GRPO + Routing Replay of pi_old's routing            (gspo.routing_replay=old)
+  grpo_r3   GRPO + replay of the sampler's (SGLang's) routing   (gspo.routing_replay=rollout)
+  gspo_r3   GSPO + replay of the sampler's routing
+
+One SGLang server (started with --enable-return-routed-experts, which the R3 arms need and the others do
+not ask for) serves every run: before each run it reloads the initial weights from OUT/hf as weight
+version 0 (/update_weights_from_disk, KV cache flushed), so each run starts where a freshly launched server
+would; --server-per-run launches one per run instead (~100 s each on CPU).
+
+Runs go seed by seed (every arm of seed 1, then seed 2, ...), so a budget cut short still compares arms.
+Every number in OUT/results/ (results.md, results.json, moe_stability.png) is read from the runs'
+metrics.jsonl, written by the trainer; per arm: mean and spread (sample std, and min..max) over seeds.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -46,120 +53,254 @@ CONFIG = REPO / "examples" / "paper_moe" / "config.yaml"
 ARMS: dict[str, list[str]] = {
     "gspo": ["gspo.algorithm=gspo"],
     "grpo": ["gspo.algorithm=grpo"],
-    "grpo_replay": ["gspo.algorithm=grpo", "gspo.routing_replay=old"],
-    "gspo_replay": ["gspo.algorithm=gspo", "gspo.routing_replay=old"],
-    "grpo_rollout_logprobs": ["gspo.algorithm=grpo", "gspo.old_logprobs=rollout"],
+    "grpo_r2": ["gspo.algorithm=grpo", "gspo.routing_replay=old"],
+    "grpo_r3": ["gspo.algorithm=grpo", "gspo.routing_replay=rollout"],
+    "gspo_r3": ["gspo.algorithm=gspo", "gspo.routing_replay=rollout"],
 }
-EVAL_KEY = "eval/held_out/mean@16"
+PRESETS = {"smoke": {"arms": "gspo,grpo_r3", "seeds": 1, "steps": 2,
+                     "overrides": ["eval.max_prompts=8", "eval.samples_per_prompt=2", "gspo.prompts_per_step=4"]}}
+EVAL_KEY = re.compile(r"^eval/held_out/mean@(\d+)$")
+TOKEN_STD, SEQ_STD, SEQS = "loss/log_ratio_token_std/", "loss/log_ratio_seq_std/", "loss/sequences/"
 
+COLLAPSE_DROP = 0.2
+COLLAPSE_WINDOW = 3
+COLLAPSE_DEFINITION = (f"the {COLLAPSE_WINDOW}-step running mean of the training reward falls more than "
+                       f"{COLLAPSE_DROP} below its running peak and is still below (peak - {COLLAPSE_DROP}) at "
+                       "the last step (no recovery)")
+
+
+# ------------------------------------------------------------------------------------------- runs
 
 def make_model(out: Path, seed: int) -> Path:
-    """OUT/hf: the tiny deep Qwen3-MoE, format-warm-started (answers one digit, reward at chance)."""
+    """OUT/hf: the tiny deep Qwen3-MoE, format-warm-started on long_addition (answers at chance)."""
     from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
-    from megatron_gspo.dev.warm_start import warm_start_format
+    from megatron_gspo.dev.warm_start import warm_start_long_addition
 
     hf = out / "hf"
     if not (hf / "config.json").is_file():
         spec = TinyQwen3Spec(seed=seed, num_layers=8, num_experts=8, num_experts_per_tok=2)
         make_tiny_qwen3(hf, spec)
-        print(f"format warm-start: {warm_start_format(hf, seed=seed):.0%} of greedy answers are one digit", flush=True)
+        fmt, acc = warm_start_long_addition(hf, seed=seed)
+        print(f"format warm-start: {fmt:.0%} of greedy responses state an answer, {acc:.1%} right", flush=True)
     return hf
 
 
-def run_arm(name: str, hf: Path, out: Path, steps: int, extra: list[str]) -> float:
-    run_dir = out / name
+def weights_digest(hf: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(hf.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class SharedServer:
+    """One SGLang server for every run, reset to the initial weights before each."""
+
+    def __init__(self, hf: Path, out: Path, overrides: list[str]):
+        from megatron_gspo.config import load_config
+        from megatron_gspo.rollout.sglang.backend import server_config
+        from megatron_gspo.rollout.sglang.server import SGLangServer
+
+        config = load_config(CONFIG, [f"model.hf_path={hf}", f"logging.run_dir={out / 'server'}",
+                                      "gspo.routing_replay=rollout", *overrides])
+        self.hf = hf
+        self.server = SGLangServer(server_config(config)).start()
+        print(f"SGLang server at {self.server.url} (log {self.server.log_path}) ...", flush=True)
+        print(f"   ready after {self.server.wait_ready():.0f} s", flush=True)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def reset(self) -> None:
+        from megatron_gspo.rollout.sglang.weight_sync import connected, sync_from_disk
+
+        with connected([self.url]) as admins:
+            sync_from_disk(admins, self.hf.resolve(), "0")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def run_one(arm: str, seed: int, hf: Path, out: Path, steps: int, overrides: list[str],
+            server: SharedServer | None) -> float:
+    run_dir = out / "runs" / arm / f"seed{seed}"
+    if (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"{run_dir} holds a run already: move it away, or --no-train to summarize")
+    extra = []
+    if server is not None:
+        server.reset()
+        extra = [f"rollout.server_urls=[{server.url}]"]
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(CONFIG), f"model.hf_path={hf}",
-           f"logging.run_dir={run_dir}", f"num_steps={steps}", *ARMS[name], *extra]
-    print(f"== {name}: {' '.join(ARMS[name])}", flush=True)
+           f"logging.run_dir={run_dir}", f"num_steps={steps}", f"eval.interval={steps}", f"seed={seed}",
+           *ARMS[arm], *extra, *overrides]
+    print(f"== {arm} seed {seed}: {' '.join(ARMS[arm])}", flush=True)
     start = time.perf_counter()
-    with open(out / f"{name}.log", "w") as log:
+    log_path = out / "runs" / f"{arm}_seed{seed}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
         done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     wall = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"arm {name} failed (exit {done.returncode}): see {out / f'{name}.log'}")
+        raise SystemExit(f"{arm} seed {seed} failed (exit {done.returncode}): see {log_path}")
     print(f"   {wall:.0f} s", flush=True)
+    (run_dir / "wall_s").write_text(f"{wall:.1f}\n")
     return wall
 
 
-def _mean(values) -> float:
+# ------------------------------------------------------------------------------------ one run's numbers
+
+def _fmean(values) -> float | None:
     values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else float("nan")
+    return statistics.fmean(values) if values else None
 
 
-def _per_step(records: list[dict], key: str) -> list[float]:
-    steps: dict[int, list] = {}
-    for r in records:
-        if r.get(key) is not None:
-            steps.setdefault(r["rollout_step"], []).append(r[key])
-    return [statistics.fmean(steps[s]) for s in sorted(steps)]
+def _weighted(records: list[dict], key: str, weight_key: str) -> float | None:
+    """Mean of `key` over records, each weighted by `weight_key` (a bucket's sequence count)."""
+    pairs = [(r[key], r.get(weight_key, 1.0)) for r in records if r.get(key) is not None and r.get(weight_key, 1.0) > 0]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
 
 
-def _smooth(values: list[float], window: int = 10) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+def collapsed(rewards: list[float]) -> bool:
+    """COLLAPSE_DEFINITION on one run's per-step training rewards."""
+    smooth = [statistics.fmean(rewards[max(0, i - COLLAPSE_WINDOW + 1):i + 1]) for i in range(len(rewards))]
+    peak, fell = float("-inf"), False
+    for value in smooth:
+        peak = max(peak, value)
+        fell = fell or value < peak - COLLAPSE_DROP
+    return fell and bool(smooth) and smooth[-1] < peak - COLLAPSE_DROP
 
 
-def summarize(name: str, run_dir: Path, wall_s: float) -> dict:
+def summarize_run(run_dir: Path) -> dict:
+    """One run's numbers from its metrics.jsonl. Mini-batch 1 of each step is on-policy (its ratios are 1 up
+    to the recompute's noise), so the ratio spreads and the routing changes are read over mini-batches 2..K:
+    after one or more optimizer updates."""
     records = read_metrics(run_dir)
     train = [r for r in records if "loss/value" in r]
-    first_of_step = {}
+    if not train:
+        raise ValueError(f"{run_dir}: no training records")
+    by_step: dict[int, list[dict]] = {}
     for r in train:
-        first_of_step.setdefault(r["rollout_step"], r)
-    rewards = [first_of_step[s]["reward/mean"] for s in sorted(first_of_step)]
-    k = len(train) // max(len(first_of_step), 1)
-    later = [r for r in train if (r["step"] - 1) % k != 0]  # mini-batches 2..K: after an update
-    evals = [r[EVAL_KEY] for r in records if r.get(EVAL_KEY) is not None]
+        by_step.setdefault(r["rollout_step"], []).append(r)
+    steps = sorted(by_step)
+    later = [r for s in steps for r in sorted(by_step[s], key=lambda r: r["step"])[1:]]
+    rewards = [by_step[s][0]["reward/mean"] for s in steps]
+    evals = []
+    for r in records:
+        for key, value in r.items():
+            m = EVAL_KEY.match(key)
+            if m and value is not None:
+                evals.append((r["rollout_step"], value, int(m.group(1))))
+    buckets = sorted({k[len(TOKEN_STD):] for r in later for k in r if k.startswith(TOKEN_STD)},
+                     key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    gap_token = [r.get("train/rollout_abs_delta_token") for s in steps for r in by_step[s][:1]]
+    wall = run_dir / "wall_s"
     return {
-        "arm": name,
-        "reward_first10": _mean(rewards[:10]), "reward_last10": _mean(rewards[-10:]),
-        "eval_first": evals[0] if evals else float("nan"), "eval_last": evals[-1] if evals else float("nan"),
-        "clipped_token": _mean(r["loss/clipped_fraction_token"] for r in train),
-        "clipped_token_later": _mean(r["loss/clipped_fraction_token"] for r in later),
-        "routing_changed": _mean(r.get("moe/routing_changed_fraction") for r in later),
-        "log_w_std": _mean(r["loss/log_ratio_token_std"] for r in later),
-        "log_s_std": _mean(r["loss/log_ratio_seq_std"] for r in later),
-        "step_s": statistics.median(first_of_step[s]["time/step_s"] for s in first_of_step),
-        "train_s": statistics.median(first_of_step[s]["time/train_s"] for s in first_of_step),
-        "response_length": _mean(first_of_step[s]["rollout/response_length_mean"] for s in first_of_step),
-        "wall_s": wall_s,
-        # per rollout step: the mean over its mini-batches (all K for clipping, 2..K for the rest)
-        "series": {"reward": rewards,
-                   "clipped_token": _per_step(train, "loss/clipped_fraction_token"),
-                   "routing_changed": _per_step(later, "moe/routing_changed_fraction"),
-                   "log_w_std": _per_step(later, "loss/log_ratio_token_std"),
-                   "log_s_std": _per_step(later, "loss/log_ratio_seq_std"),
-                   "eval": [(r["rollout_step"], r[EVAL_KEY]) for r in records if r.get(EVAL_KEY) is not None]},
+        "steps": len(steps),
+        "rewards": rewards,
+        "reward_final": _fmean(rewards[-COLLAPSE_WINDOW:]),
+        "reward_mean": _fmean(rewards),
+        "collapsed": collapsed(rewards),
+        "eval": [(s, v) for s, v, _ in evals],
+        "eval_k": evals[0][2] if evals else None,
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if len(evals) > 1 else None,
+        "clipped_token": _fmean(r["loss/clipped_fraction_token"] for r in train),
+        "clipped_token_later": _fmean(r["loss/clipped_fraction_token"] for r in later),
+        "clipped_token_series": [_fmean(r["loss/clipped_fraction_token"] for r in by_step[s]) for s in steps],
+        "routing_changed": _fmean(r.get("moe/routing_changed_fraction") for r in later),
+        "routing_changed_series": [_fmean(r.get("moe/routing_changed_fraction") for r in by_step[s][1:]) for s in steps],
+        "log_w_std": _fmean(r.get("loss/log_ratio_token_std") for r in later),
+        "log_s_std": _fmean(r.get("loss/log_ratio_seq_std") for r in later),
+        "by_length": {b: {"log_w_std": _weighted(later, TOKEN_STD + b, SEQS + b),
+                          "log_s_std": _weighted(later, SEQ_STD + b, SEQS + b),
+                          "sequences": sum(r.get(SEQS + b, 0) for r in later)} for b in buckets},
+        # the recompute's (pi_old's) log-probs against the sampler's, |delta| per token, once per rollout step
+        "gap_token": _fmean(gap_token),
+        "gap_token_series": gap_token,
+        "response_length": _fmean(by_step[s][0].get("rollout/response_length_mean") for s in steps),
+        "zero_signal": _fmean(by_step[s][0].get("reward/zero_signal_group_fraction") for s in steps),
+        "rollout_tokens_per_s": _fmean(by_step[s][0].get("rollout/tokens_per_s") for s in steps),
+        "step_s": statistics.median(by_step[s][0]["time/step_s"] for s in steps),
+        "wall_s": float(wall.read_text()) if wall.exists() else None,
     }
 
 
-COLUMNS = [("arm", "arm", "{}"), ("reward_first10", "reward 1-10", "{:.3f}"), ("reward_last10", "reward last 10", "{:.3f}"),
-           ("eval_first", "eval mean@16 first", "{:.3f}"), ("eval_last", "eval last", "{:.3f}"),
-           ("clipped_token", "clipped tokens", "{:.2e}"), ("routing_changed", "routing changed (mb 2-K)", "{:.3f}"),
-           ("log_w_std", "std log w_t", "{:.4f}"), ("log_s_std", "std log s_i", "{:.4f}"),
-           ("step_s", "step s (median)", "{:.2f}"), ("train_s", "train s", "{:.2f}")]
+# ------------------------------------------------------------------------------------------ per arm
+
+def spread(values) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
 
 
-def table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    body = ["| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
-    return "\n".join([head, rule, *body])
+SCALARS = ("reward_final", "reward_mean", "eval_first", "eval_last", "clipped_token", "clipped_token_later",
+           "routing_changed", "log_w_std", "log_s_std", "gap_token", "response_length", "zero_signal",
+           "rollout_tokens_per_s", "step_s", "wall_s")
 
 
-def overheads(rows: list[dict]) -> list[str]:
-    by = {r["arm"]: r for r in rows}
+def summarize_arm(arm: str, runs: dict[int, dict]) -> dict:
+    out = {"arm": arm, "overrides": ARMS[arm], "seeds": sorted(runs),
+           "collapses": sum(r["collapsed"] for r in runs.values()),
+           **{key: spread(r[key] for r in runs.values()) for key in SCALARS}}
+    buckets = sorted({b for r in runs.values() for b in r["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    out["by_length"] = {b: {k: spread(r["by_length"].get(b, {}).get(k) for r in runs.values())
+                            for k in ("log_w_std", "log_s_std", "sequences")} for b in buckets}
+    length = min(len(r["rewards"]) for r in runs.values())
+    out["reward_curve"] = [spread(r["rewards"][i] for r in runs.values()) for i in range(length)]
+    out["runs"] = {str(s): runs[s] for s in sorted(runs)}
+    return out
+
+
+def ratios(arms: dict[str, dict]) -> list[str]:
     lines = []
-    for base, replay in (("grpo", "grpo_replay"), ("gspo", "gspo_replay")):
-        if base in by and replay in by:
-            lines.append(f"{replay} / {base}: train time {by[replay]['train_s'] / by[base]['train_s']:.3f}x, "
-                         f"step time {by[replay]['step_s'] / by[base]['step_s']:.3f}x (medians; the arms train "
-                         "on different responses, so this is indicative only: benchmarks/routing_replay.py "
-                         "measures the replay alone on identical batches)")
-    if "gspo" in by and "grpo" in by and by["grpo"]["clipped_token"] > 0:
-        lines.append(f"clipped tokens gspo / grpo: {by['gspo']['clipped_token'] / by['grpo']['clipped_token']:.1f}x")
+    for gspo, grpo in (("gspo", "grpo"), ("gspo_r3", "grpo_r3"), ("gspo", "grpo_r2")):
+        if gspo in arms and grpo in arms:
+            a, b = arms[gspo]["clipped_token"]["mean"], arms[grpo]["clipped_token"]["mean"]
+            text = f"{a / b:.0f}x" if a is not None and b else "undefined (GRPO clipped no token)"
+            lines.append(f"- clipped tokens {gspo} / {grpo}: {text}")
     return lines
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def _fmt(s: dict, fmt: str) -> str:
+    if s["mean"] is None:
+        return "-"
+    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])}"
+
+
+def table(arms: dict[str, dict]) -> str:
+    cols = [("reward_final", "train reward, last 3 steps", "{:.3f}"), ("eval_last", "held-out mean@k, end", "{:.3f}"),
+            ("clipped_token", "clipped tokens", "{:.2e}"), ("routing_changed", "routing changed per update", "{:.3f}"),
+            ("log_w_std", "std log w_t", "{:.4f}"), ("log_s_std", "std log s_i", "{:.4f}"),
+            ("gap_token", "train-vs-rollout \\|Δ logp\\| per token", "{:.2e}")]
+    head = "| arm | seeds | " + " | ".join(t for _, t, _ in cols) + " | collapses |"
+    rule = "|" + "---|" * (len(cols) + 3)
+    rows = [f"| {a['arm']} | {len(a['seeds'])} | " + " | ".join(_fmt(a[k], f) for k, _, f in cols)
+            + f" | {a['collapses']}/{len(a['seeds'])} |" for a in arms.values()]
+    return "\n".join([head, rule, *rows])
+
+
+def length_table(arms: dict[str, dict]) -> str:
+    buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    head = "| arm | " + " | ".join(f"{b}: std log w_t / std log s_i (sequences)" for b in buckets) + " |"
+    rule = "|" + "---|" * (len(buckets) + 1)
+    rows = []
+    for a in arms.values():
+        cells = []
+        for b in buckets:
+            c = a["by_length"].get(b)
+            if c is None or c["log_w_std"]["mean"] is None:
+                cells.append("-")
+                continue
+            cells.append(f"{_fmt(c['log_w_std'], '{:.4f}')} / {_fmt(c['log_s_std'], '{:.4f}')} "
+                         f"({c['sequences']['mean']:.0f})")
+        rows.append(f"| {a['arm']} | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows])
+
+
+def plot(arms: dict[str, dict], path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -167,65 +308,153 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no figure")
         return
-    fig, axes = plt.subplots(2, 3, figsize=(14, 6.5))
-    for i, row in enumerate(rows):
-        s, color = row["series"], f"C{i}"
-        axes[0, 0].plot(range(1, len(s["reward"]) + 1), _smooth(s["reward"]), color=color, label=row["arm"])
-        if s["eval"]:
-            axes[0, 1].plot(*zip(*s["eval"]), marker="o", color=color, label=row["arm"])
-        axes[0, 2].plot(_smooth(s["clipped_token"]), color=color, label=row["arm"])
-        if s["routing_changed"]:
-            axes[1, 0].plot(_smooth(s["routing_changed"]), color=color, label=row["arm"])
-        axes[1, 1].plot(_smooth(s["log_w_std"]), color=color, label=row["arm"])
-        axes[1, 2].plot(_smooth(s["log_s_std"]), color=color, label=row["arm"])
-    axes[0, 0].set(title="train reward", xlabel="rollout step")
-    axes[0, 1].set(title="held-out mean@16 (10 prompts)", xlabel="rollout step")
-    axes[0, 2].set(title="clipped fraction of tokens", xlabel="rollout step", yscale="log")
-    axes[1, 0].set(title="MoE routing changed vs pi_old", xlabel="rollout step")
-    axes[1, 1].set(title="std of log w_t (token ratios)", xlabel="rollout step")
-    axes[1, 2].set(title="std of log s_i (sequence ratios)", xlabel="rollout step")
-    fig.suptitle("10-step means; routing and ratio spreads over mini-batches 2-K (after an update)", fontsize=9)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    names = list(arms)
+    all_buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    for i, (name, a) in enumerate(arms.items()):
+        color = f"C{i}"
+        curve = a["reward_curve"]
+        x = range(1, len(curve) + 1)
+        axes[0, 0].plot(x, [c["mean"] for c in curve], color=color, marker=".", label=name)
+        axes[0, 0].fill_between(x, [c["min"] for c in curve], [c["max"] for c in curve], color=color, alpha=0.15)
+        for run in a["runs"].values():
+            if run["eval"]:
+                axes[0, 1].plot(*zip(*run["eval"]), marker="o", color=color, alpha=0.6,
+                                label=name if run is next(iter(a["runs"].values())) else None)
+        for key, ax in (("clipped_token_series", axes[0, 2]), ("routing_changed_series", axes[1, 0]),
+                        ("gap_token_series", axes[1, 2])):
+            series = [r[key] for r in a["runs"].values()]
+            n = min(len(s) for s in series)
+            mean = [_fmean(s[j] for s in series) for j in range(n)]
+            pts = [(j + 1, m) for j, m in enumerate(mean) if m is not None]
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=".", label=name)
+        labelled = False
+        for b in a["by_length"]:
+            j, c = all_buckets.index(b), a["by_length"][b]
+            if c["log_w_std"]["mean"] is None:
+                continue
+            xpos = j * (len(names) + 1) + i
+            axes[1, 1].bar(xpos, c["log_w_std"]["mean"], color=color, alpha=0.9,
+                           yerr=c["log_w_std"]["std"], label=None if labelled else f"{name} log w_t")
+            axes[1, 1].bar(xpos, c["log_s_std"]["mean"], color="k", alpha=0.35, width=0.5,
+                           label="log s_i (black)" if (i == 0 and not labelled) else None)
+            labelled = True
+    axes[1, 1].set_xticks([j * (len(names) + 1) + (len(names) - 1) / 2 for j in range(len(all_buckets))], all_buckets)
+    axes[0, 0].set(title="train reward (mean over seeds, min..max shaded)", xlabel="rollout step")
+    axes[0, 1].set(title="held-out mean@k (each seed)", xlabel="rollout step")
+    axes[0, 2].set(title="clipped fraction of tokens (seed mean)", xlabel="rollout step")
+    axes[0, 2].set_yscale("symlog", linthresh=1e-4)  # GRPO's may be 0
+    axes[1, 0].set(title="MoE routing changed vs pi_old (mini-batches 2-K)", xlabel="rollout step")
+    axes[1, 1].set(title="std log w_t (bars) vs std log s_i (black), by response length", xlabel="length bucket")
+    axes[1, 2].set(title="train-vs-rollout |Δ logp| per token", xlabel="rollout step", yscale="log")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def main() -> int:
+def report(arms: dict[str, dict], meta: dict) -> str:
+    k = next((r["eval_k"] for a in arms.values() for r in a["runs"].values() if r["eval_k"]), "?")
+    lines = [f"# The paper's MoE comparison on a CPU: {meta['budget']}", "",
+             f"Config examples/paper_moe/config.yaml (+ {' '.join(meta['overrides']) or 'no overrides'}); initial "
+             f"weights {meta['weights']} (sha256 prefix of OUT/hf), the same for every arm and seed. Generated by "
+             "benchmarks/moe_stability.py from the runs' metrics.jsonl; mean ± sample std over seeds.", "",
+             table(arms), "", f"held-out mean@k: k = {k}; at step 0 (the initial weights, every arm): "
+             + ", ".join(f"{a['arm']} {_fmt(a['eval_first'], '{:.3f}')}" for a in arms.values()), "",
+             "Clipped tokens: fraction of response tokens outside the band, over all K mini-batches. Routing "
+             "changed, std log w_t / log s_i: over mini-batches 2..K (after an update; mini-batch 1 is "
+             "on-policy). Train-vs-rollout: mean |log pi_old - log pi_sampler| per token, at the recompute.", "",
+             *ratios(arms), "", f"Collapse: {COLLAPSE_DEFINITION}.", "",
+             "## Ratio spreads by response length (mini-batches 2..K, weighted by the bucket's sequences)", "",
+             length_table(arms), "",
+             "## Per arm, other numbers", "",
+             "| arm | mean response length | zero-signal groups | rollout tokens/s | step s (median) | wall s per run |",
+             "|---|---|---|---|---|---|"]
+    for a in arms.values():
+        lines.append(f"| {a['arm']} | {_fmt(a['response_length'], '{:.1f}')} | {_fmt(a['zero_signal'], '{:.2f}')} | "
+                     f"{_fmt(a['rollout_tokens_per_s'], '{:.0f}')} | {_fmt(a['step_s'], '{:.1f}')} | "
+                     f"{_fmt(a['wall_s'], '{:.0f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def collect(out: Path, arms: list[str], seeds: list[int]) -> dict[str, dict]:
+    """The finished runs (run_one writes RUN/wall_s when one exits 0); a run cut short is named and left out."""
+    result = {}
+    for arm in arms:
+        runs = {}
+        for seed in seeds:
+            run_dir = out / "runs" / arm / f"seed{seed}"
+            if (run_dir / "wall_s").exists():
+                runs[seed] = summarize_run(run_dir)
+            elif (run_dir / "metrics.jsonl").exists():
+                print(f"{run_dir}: not finished, left out")
+        if runs:
+            result[arm] = summarize_arm(arm, runs)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="rollout steps per arm")
-    p.add_argument("--arms", default="gspo,grpo,grpo_replay", help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--out", default=str(REPO / "runs" / "paper_moe"), help="model, runs and results")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per arm")
+    p.add_argument("--steps", type=int, default=16, help="rollout steps per run (the fixed budget)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="smoke: 2 arms x 1 seed x 2 small steps")
+    p.add_argument("--out", default=str(REPO / "runs" / "paper_moe"), help="model (OUT/hf) and runs (OUT/runs)")
+    p.add_argument("--results", help="where results.md/.json/.png go (default: OUT/results)")
+    p.add_argument("--model-seed", type=int, default=1234, help="seed of OUT/hf when it is made")
+    p.add_argument("--server-per-run", action="store_true", help="each run launches its own SGLang server")
+    p.add_argument("--no-train", action="store_true", help="summarize the runs already in OUT")
     p.add_argument("--only-model", action="store_true", help="make OUT/hf and stop")
-    p.add_argument("--no-train", action="store_true", help="summarize the arms' runs already in OUT")
-    p.add_argument("overrides", nargs="*", help="config overrides for every arm (key.sub=value)")
-    args = p.parse_args()
+    p.add_argument("overrides", nargs="*", help="config overrides for every run (key.sub=value)")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.preset:
+        preset = PRESETS[args.preset]
+        args.arms, args.seeds, args.steps = preset["arms"], preset["seeds"], preset["steps"]
+        overrides = preset["overrides"] + overrides
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         p.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    seeds = list(range(1, args.seeds + 1))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    hf = make_model(out, args.seed)
+    hf = make_model(out, args.model_seed)
     if args.only_model:
         print(hf)
         return 0
-    rows = []
-    for arm in arms:
-        wall = 0.0 if args.no_train else run_arm(arm, hf, out, args.steps, [f"seed={args.seed}", *args.overrides])
-        rows.append(summarize(arm, out / arm, wall))
-    results = out / "results"
-    results.mkdir(exist_ok=True)
-    text = "\n".join([f"{args.steps} rollout steps per arm, examples/paper_moe/config.yaml, seed {args.seed}", "",
-                      table(rows), "", *overheads(rows)])
+    start = time.perf_counter()
+    if not args.no_train:
+        server = None if args.server_per_run else SharedServer(hf, out, overrides)
+        try:
+            for seed in seeds:
+                for arm in arms:
+                    run_one(arm, seed, hf, out, args.steps, overrides, server)
+        finally:
+            if server is not None:
+                server.stop()
+    wall = time.perf_counter() - start
+    results = collect(out, arms, seeds)
+    if not results:
+        raise SystemExit(f"no runs under {out / 'runs'}")
+    ran = {a: len(r["seeds"]) for a, r in results.items()}
+    steps = sorted({run["steps"] for r in results.values() for run in r["runs"].values()})
+    budget = (f"{len(results)} arms x {'/'.join(str(n) for n in sorted(set(ran.values())))} seeds x "
+              f"{'/'.join(map(str, steps))} rollout steps")
+    meta = {"budget": budget, "overrides": overrides, "weights": weights_digest(hf),
+            "wall_s": None if args.no_train else wall, "collapse": COLLAPSE_DEFINITION}
+    target = Path(args.results) if args.results else out / "results"
+    target.mkdir(parents=True, exist_ok=True)
+    text = report(results, meta)
     print("\n" + text)
-    (results / "results.md").write_text(text + "\n")
-    (results / "results.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, results / "moe_stability.png")
-    print(f"\nwritten: {results / 'results.md'}, {results / 'moe_stability.png'}")
+    (target / "results.md").write_text(text)
+    (target / "results.json").write_text(json.dumps({"meta": meta, "arms": results}, indent=1))
+    plot(results, target / "moe_stability.png")
+    print(f"written: {target}/results.md, results.json, moe_stability.png")
     return 0
 
 

@@ -44,6 +44,29 @@ sampling a step generates more samples than it trains on).
     python benchmarks/peer_trl.py                # 100 rollout steps per side (the issue's comparison)
     python benchmarks/peer_trl.py --quick        # smoke run: 3 steps per side (no 10-step window)
     python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dp2, ours_dynamic, ours_overlap
+    python benchmarks/peer_trl.py --task long_addition --sides trl,ours --steps 3 --reward-target 0.05 --window 3
+                                                 # the long task (examples/tiny_long_cpu.yaml, ~74-token responses)
+
+--task long_addition matches examples/tiny_long_cpu.yaml instead (results under OUT/long_addition/): the dense
+tiny model warm-started on that format (`tiny-model --warm-start long_addition`), G=8 x 16 prompts, 4
+mini-batches, at most 128 new tokens, the final_answer reward (the TRL script's copy of it). There generation
+dominates a step, so the table's generated tokens/s (response tokens, EOS included, per second of generation:
+TRL's `generate()` alone, ours the servers' rollout/tokens_per_s) is the number to compare. --repeats N runs
+the sides N times interleaved, so that both see the same machine load.
+
+Measured 2026-12-07 01:41-01:48 UTC (`--task long_addition --sides trl,ours --steps 3 --reward-target 0.05
+--window 3 --trl-share-packages`; one run per side, one after the other, on a machine loaded by other jobs:
+1-min load average 11-15 on 2 cores):
+
+| side | step s (median) | generation s | training s | start-up s | generated tokens/s | response tokens | reward (3 steps) |
+|---|---|---|---|---|---|---|---|
+| trl | 88.2 | 57.6 | 30.6 | 32.6 | 165 | 73.7 | 0.005 |
+| ours | 4.8 | 3.5 | 1.1 | 277.3 | 2680 | 73.7 | 0.000 |
+
+With ~74-token responses TRL's `generate()` (HF, one process, batch 128) makes 165 tokens/s; SGLang's
+batched decode with its KV cache 2680 (16x), and a whole step is 18x shorter. Neither side moves the reward
+off chance (~1%) in 3 steps, so the time to a fixed reward is not measured here; SGLang's start-up (277 s
+under this load) is what ours pays once.
 
 Run with the project's .venv python (needs .venv-sglang, scripts/setup_sglang.sh); the first run makes the
 TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip takes a CPU wheel where its
@@ -95,9 +118,9 @@ TRL_PINS = {"torch": "2.13.0", "trl": "1.16.0", "transformers": "5.19.0", "accel
 """The TRL environment: TRL 1.16 and the versions it was checked with (transformers and torch as in the
 project's .venv, so both sides run the same kernels for the same model)."""
 
-CONFIG = REPO / "examples" / "tiny_cpu.yaml"
+TASKS = {"arithmetic": REPO / "examples" / "tiny_cpu.yaml", "long_addition": REPO / "examples" / "tiny_long_cpu.yaml"}
+"""--task: the example config of each side's settings; the model is `tiny-model --warm-start TASK`."""
 WORKER = REPO / "benchmarks" / "peer_trl_worker.py"
-REWARD_TARGET, WINDOW = 0.8, 10
 SIDES = ("trl", "ours", "ours_dp2", "ours_dynamic", "ours_overlap")
 OVERLAP = ["rollout.max_staleness=1", "gspo.old_logprobs=rollout"]
 DP2 = ["parallel.tp=1", "parallel.dp=2"]
@@ -122,6 +145,12 @@ class SideResult:
     rewards: list[float]
     startup_s: float
     wall_s: float
+    tokens_per_s: list[float] = field(default_factory=list)
+    """Generated response tokens per second of generation, per rollout step (TRL: `generate()` alone;
+    ours: rollout/tokens_per_s, the servers' generation time)."""
+    response_length: list[float] = field(default_factory=list)
+    target: float = 0.8
+    window: int = 10
     notes: list[str] = field(default_factory=list)
 
     def median(self, series: list[float]) -> float:
@@ -129,15 +158,15 @@ class SideResult:
         return statistics.median(measured)
 
     def reached(self) -> tuple[float, int] | None:
-        """(wall seconds from launch, step) when the mean reward of the last WINDOW steps first reaches
-        REWARD_TARGET; None when it never does."""
-        for end in range(WINDOW, len(self.rewards) + 1):
-            if statistics.mean(self.rewards[end - WINDOW:end]) >= REWARD_TARGET:
+        """(wall seconds from launch, step) when the mean reward of the last `window` steps first reaches
+        `target`; None when it never does."""
+        for end in range(self.window, len(self.rewards) + 1):
+            if statistics.mean(self.rewards[end - self.window:end]) >= self.target:
                 return self.startup_s + sum(self.step_s[:end]), end
         return None
 
     def final_reward(self) -> float | None:
-        return statistics.mean(self.rewards[-WINDOW:]) if len(self.rewards) >= WINDOW else None
+        return statistics.mean(self.rewards[-self.window:]) if len(self.rewards) >= self.window else None
 
 
 def versions(python: Path, packages) -> dict[str, str]:
@@ -156,15 +185,25 @@ def off_pin(python: Path) -> dict[str, str]:
     return {name: version for name, version in found.items() if version.split("+")[0] != TRL_PINS[name]}
 
 
-def trl_env(venv: Path, pip_args: list[str]) -> Path:
+def trl_env(venv: Path, pip_args: list[str], share_packages: bool = False) -> Path:
     """The python of the TRL environment at `venv`: made (python -m venv + pip install of TRL_PINS) when
-    absent, re-installed when its versions differ from the pins, else reused as it is."""
+    absent, re-installed when its versions differ from the pins, else reused as it is.
+
+    share_packages: the new environment also reads this project's site-packages (a .pth file, after its
+    own), so pip installs only what the project's environment lacks (TRL, accelerate) and both sides run
+    the very same torch and transformers; pip never changes the project's environment (it installs into
+    `venv`, whose own packages come first)."""
     python = venv / "bin" / "python"
     if python.exists() and not off_pin(python):
         return python
     if not python.exists():
         print(f"making the TRL environment {venv} ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        if share_packages:
+            code = "import site, sys; print(site.getsitepackages()[0])"
+            own = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+            ours = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+            (Path(own) / "megatron_gspo_shared.pth").write_text(ours + "\n")
     pins = [f"{name}=={version}" for name, version in TRL_PINS.items()]
     print(f"pip install {' '.join(pins)} into {venv} ...", flush=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_args, *pins], check=True)
@@ -174,15 +213,16 @@ def trl_env(venv: Path, pip_args: list[str]) -> Path:
     return python
 
 
-def tiny_model(hf_dir: Path) -> None:
-    """The demo's model in `hf_dir`, made with this project's CLI unless it is already there."""
+def tiny_model(hf_dir: Path, task: str) -> None:
+    """The demo's model for `task` in `hf_dir`, made with this project's CLI unless it is already there."""
     if (hf_dir / "config.json").exists():
         return
-    cli = Path(sys.executable).with_name("megatron-gspo")
-    subprocess.run([str(cli), "tiny-model", str(hf_dir), "--warm-start", "arithmetic"], check=True)
+    subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "tiny-model", str(hf_dir), "--warm-start", task],
+                   cwd=REPO, check=True)
 
 
-def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, threads: int) -> SideResult:
+def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, threads: int, name: str = "trl"
+            ) -> SideResult:
     """TRL's GRPOTrainer on the settings of `config` (benchmarks/peer_trl_worker.py), in its own process."""
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -197,7 +237,7 @@ def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, thre
            "--minibatches", str(g.num_minibatches), "--eps-low", str(eps_low), "--eps-high", str(eps_high),
            "--lr", str(config.optimizer.lr), "--clip-grad", str(config.optimizer.clip_grad),
            "--temperature", str(config.sampling.temperature), "--max-new-tokens", str(config.sampling.max_new_tokens),
-           "--seed", str(config.seed), "--threads", str(threads)]
+           "--seed", str(config.seed), "--threads", str(threads), "--reward", config.reward.fn]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     launched = time.time()
     with open(out_dir / "log.txt", "w") as log:
@@ -211,10 +251,12 @@ def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, thre
     if len(steps) != config.num_steps:
         raise SystemExit(f"{out_dir / 'steps.jsonl'}: {len(steps)} rollout steps, expected {config.num_steps}")
     return SideResult(
-        name="trl", step_s=[r["step_s"] for r in steps],
+        name=name, step_s=[r["step_s"] for r in steps],
         generation_s=[r["rollout_s"] - r["recompute_s"] for r in steps],
         training_s=[r["train_s"] + r["recompute_s"] for r in steps], other_s=[0.0 for _ in steps],
         rewards=[r["reward_mean"] for r in steps], startup_s=lines[0]["unix_time"] - launched, wall_s=wall,
+        tokens_per_s=[r["completion_tokens"] / r["generate_s"] for r in steps if r.get("completion_tokens", -1) > 0],
+        response_length=[r["completion_tokens"] / r["samples"] for r in steps if r.get("completion_tokens", -1) > 0],
         notes=[f"generate() alone: median {statistics.median([r['generate_s'] for r in steps][1:] or [0]):.3f} s"])
 
 
@@ -226,13 +268,13 @@ def our_overrides(hf_dir: Path, run_dir: Path, steps: int, dynamic_sampling: boo
             "logging.progress_bar=true", "logging.tensorboard=false"]
 
 
-def run_ours(name: str, overrides: list[str], run_dir: Path) -> SideResult:
-    """`megatron-gspo train examples/tiny_cpu.yaml OVERRIDES` from a fresh run directory; the start of step 1
-    is the time its progress line is printed less that step's time/step_s."""
+def run_ours(name: str, config_path: Path, overrides: list[str], run_dir: Path) -> SideResult:
+    """`megatron-gspo train CONFIG OVERRIDES` from a fresh run directory; the start of step 1 is the time its
+    progress line is printed less that step's time/step_s."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # else the run would resume from its checkpoints
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(CONFIG), *overrides]
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(config_path), *overrides]
     launched, first_line = time.time(), None
     with open(run_dir.parent / f"{run_dir.name}.log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -256,6 +298,8 @@ def run_ours(name: str, overrides: list[str], run_dir: Path) -> SideResult:
         name=name, step_s=step_s, generation_s=generation, training_s=training,
         other_s=[s - g - t for s, g, t in zip(step_s, generation, training)],
         rewards=[r["reward/mean"] for r in steps], startup_s=first_line - launched - step_s[0], wall_s=wall,
+        tokens_per_s=[r["rollout/tokens_per_s"] for r in steps],
+        response_length=[r["rollout/response_length_mean"] for r in steps],
         notes=[f"weight sync: median {statistics.median([r['time/sync_s'] for r in steps][1:] or [0]):.3f} s",
                f"checkpoints: {sum(r['time/checkpoint_s'] for r in steps):.1f} s in all",
                f"groups rolled out per step: median {statistics.median(r['rollout/groups_generated'] for r in steps):.0f}"])
@@ -263,16 +307,21 @@ def run_ours(name: str, overrides: list[str], run_dir: Path) -> SideResult:
 
 def table(results: list[SideResult]) -> str:
     """The markdown table of `results`, then the ratios of per-step time to the first (TRL's) row."""
+    first = results[0]
     head = ("| side | step s (median) | generation s | training s | other s | mean step s | start-up s "
-            "| wall s to 10-step reward 0.8 (step) | final 10-step reward | wall s (all) |")
-    rows = [head, "|" + "---|" * 10]
+            f"| generated tokens/s | response tokens | wall s to {first.window}-step reward {first.target:g} (step) "
+            f"| final {first.window}-step reward | mean reward | wall s (all) |")
+    rows = [head, "|" + "---|" * 13]
     for r in results:
         hit = r.reached()
         final = r.final_reward()
         rows.append(f"| {r.name} | {r.median(r.step_s):.3f} | {r.median(r.generation_s):.3f} | "
                     f"{r.median(r.training_s):.3f} | {r.median(r.other_s):.3f} | {statistics.mean(r.step_s):.3f} | "
-                    f"{r.startup_s:.1f} | {f'{hit[0]:.0f} ({hit[1]})' if hit else 'not reached'} | "
-                    f"{f'{final:.3f}' if final is not None else 'n/a'} | {r.wall_s:.0f} |")
+                    f"{r.startup_s:.1f} | {f'{r.median(r.tokens_per_s):.0f}' if r.tokens_per_s else 'n/a'} | "
+                    f"{f'{statistics.mean(r.response_length):.1f}' if r.response_length else 'n/a'} | "
+                    f"{f'{hit[0]:.0f} ({hit[1]})' if hit else 'not reached'} | "
+                    f"{f'{final:.3f}' if final is not None else 'n/a'} | {statistics.mean(r.rewards):.3f} | "
+                    f"{r.wall_s:.0f} |")
     base = results[0]
     ratios = [f"{r.name} / {base.name}: {r.median(r.step_s) / base.median(base.step_s):.2f}x" for r in results[1:]]
     notes = [f"- {r.name}: {'; '.join(r.notes)}" for r in results if r.notes]
@@ -284,14 +333,15 @@ def listed(found: dict[str, str]) -> str:
     return ", ".join(f"{name} {version}" for name, version in found.items())
 
 
-def header(config: TrainConfig, trl_threads: int, trl_versions: dict, our_versions: dict) -> str:
+def header(config: TrainConfig, config_path: Path, trl_threads: int, trl_versions: dict, our_versions: dict) -> str:
     """What was run: date, machine, each side and its versions, the matched settings (from `config`)."""
     g, o = config.gspo, config.optimizer
     eps_low, eps_high = clip_range(g.algorithm, g.eps_low, g.eps_high)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     return "\n".join([
-        f"# Peer benchmark: TRL vs megatron_gspo on the CPU demo ({config.num_steps} rollout steps per side)", "",
+        f"# Peer benchmark: TRL vs megatron_gspo on {config_path.relative_to(REPO)} ({config.num_steps} rollout "
+        "steps per side)", "",
         f"{now}, {os.cpu_count()} CPU cores, load average at the end {load} (1/5/15 min).", "",
         f"- TRL: GRPOTrainer in one process, generation in-process with `generate()`, {trl_threads} torch threads; "
         f"{listed(trl_versions) or 'not run'}.",
@@ -317,38 +367,53 @@ def main() -> None:
     p.add_argument("--trl-venv", type=Path, help="TRL environment (default OUT/.venv-trl)")
     p.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     p.add_argument("--pip-arg", action="append", default=[], help="extra argument for the TRL pip install")
+    p.add_argument("--trl-share-packages", action="store_true", help="a new TRL environment reads the project's "
+                   "site-packages too: pip installs only TRL and what else is missing (no second torch)")
+    p.add_argument("--task", choices=sorted(TASKS), default="arithmetic",
+                   help="arithmetic: examples/tiny_cpu.yaml (4 new tokens); long_addition: examples/tiny_long_cpu.yaml "
+                   "(~74-token responses: generation dominates)")
+    p.add_argument("--repeats", type=int, default=1, help="run the sides this many times, interleaved "
+                   "(trl, ours, trl, ours, ...): both see the same machine load")
+    p.add_argument("--reward-target", type=float, default=0.8, help="the 'time to reward' target")
+    p.add_argument("--window", type=int, default=10, help="rollout steps averaged for the target and final reward")
     a = p.parse_args()
     steps = 3 if a.quick else a.steps
+    config_path = TASKS[a.task]
     sides = [s for s in a.sides.split(",") if s]
     unknown = set(sides) - set(SIDES)
     if unknown or not sides:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
     out = a.out.resolve()
-    hf_dir = out / "hf"
-    rows = {side: our_overrides(hf_dir, out / side, steps, dynamic_sampling=side == "ours_dynamic",
+    work = out if a.task == "arithmetic" else out / a.task
+    hf_dir = out / "hf" if a.task == "arithmetic" else work / "hf"
+    rows = {side: our_overrides(hf_dir, work / side, steps, dynamic_sampling=side == "ours_dynamic",
                                 extra=EXTRA.get(side, ()))
             for side in SIDES if side != "trl"}
-    configs = {side: load_config(CONFIG, overrides) for side, overrides in rows.items()}  # bad overrides fail now
+    configs = {side: load_config(config_path, overrides) for side, overrides in rows.items()}  # bad overrides fail now
     config = configs["ours"]  # the like-for-like settings, TRL's too
-    tiny_model(hf_dir)
-    results, trl_versions = [], {}
+    tiny_model(hf_dir, a.task)
+    results, trl_versions, python = [], {}, None
     if "trl" in sides:
-        python = trl_env(a.trl_venv or out / ".venv-trl", a.pip_arg)
+        python = trl_env(a.trl_venv or out / ".venv-trl", a.pip_arg, share_packages=a.trl_share_packages)
         trl_versions = versions(python, TRL_PINS)
-        print(f"trl: {steps} steps ...", flush=True)
-        results.append(run_trl(python, config, hf_dir, out / "trl", a.trl_threads))
-        results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
-    for side in SIDES[1:]:
-        if side in sides:
-            print(f"{side}: {steps} steps ...", flush=True)
-            results.append(run_ours(side, rows[side], out / side))
+    for repeat in range(1, a.repeats + 1):
+        for side in [s for s in SIDES if s in sides]:
+            name = side if a.repeats == 1 else f"{side} #{repeat}"
+            print(f"{name}: {steps} steps ...", flush=True)
+            suffix = "" if a.repeats == 1 else f"_{repeat}"
+            if side == "trl":
+                results.append(run_trl(python, config, hf_dir, work / f"trl{suffix}", a.trl_threads, name=name))
+            else:
+                results.append(run_ours(name, config_path, rows[side], work / f"{side}{suffix}"))
+            results[-1].target, results[-1].window = a.reward_target, a.window
             results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
     our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
     our_versions.update(versions(Path(default_sglang_python()), ("sglang",)))
-    text = header(config, a.trl_threads, trl_versions, our_versions) + table(results) + "\n"
+    text = header(config, config_path, a.trl_threads, trl_versions, our_versions) + table(results) + "\n"
     print(text)
-    (out / "results.md").write_text(text)
-    print(f"written: {out / 'results.md'}")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "results.md").write_text(text)
+    print(f"written: {work / 'results.md'}")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,15 @@ Settings matched to examples/tiny_cpu.yaml (peer_trl.py passes the numbers; the 
 - Adam, constant lr, no warm-up, no weight decay, gradient-norm clip 1.0, float32, temperature 1.0, top_p 1,
   no top-k, `--max-new-tokens` new tokens.
 
-The reward is written here, equivalent to megatron_gspo/rewards/verifiers.py exact_match: 1.0 when the
-response's text before EOS (TRL decodes the completion up to EOS, special tokens skipped), stripped, equals
-the stripped answer.
+The reward is written here (`--reward`), equivalent to megatron_gspo/rewards/verifiers.py's function of that
+name: exact_match (the arithmetic task): 1.0 when the response's text before EOS (TRL decodes the completion
+up to EOS, special tokens skipped), stripped, equals the stripped answer; final_answer (long_addition): 1.0
+when the integer on the response's last "answer: N" line equals the answer, 0.0 otherwise (also when no such
+line: the project scores that 0 and counts it as unparsed).
 
 Output: one JSON line per rollout step in `--out` (rewards, seconds of the step, of generation, of pi_old's
-log-prob recompute, of the rest of TRL's rollout phase: rewards, advantages, padding), and a first line
+log-prob recompute, of the rest of TRL's rollout phase: rewards, advantages, padding; the completion tokens
+generated, EOS included), and a first line
 {"event": "train_begin", "unix_time": ...} when the trainer is built and the first step begins, so that
 peer_trl.py can measure the start-up from its own launch time.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -45,6 +49,22 @@ def exact_match_reward(completions, answer, **_) -> list[float]:
     messages; `answer` is the dataset column of that name, one per completion.
     """
     return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer)]
+
+
+ANSWER_LINE = re.compile(r"^[ \t]*answer:[ \t]*([+-]?[0-9]+)[ \t\r]*$", re.IGNORECASE | re.MULTILINE)
+"""megatron_gspo/rewards/verifiers.py's _ANSWER_LINE, copied (this script does not import the project)."""
+
+
+def final_answer_reward(completions, answer, **_) -> list[float]:
+    """TRL reward function: 1.0 where the integer on the completion's last "answer: N" line equals the answer."""
+    scores = []
+    for c, a in zip(completions, answer):
+        stated = ANSWER_LINE.findall(c[0]["content"])
+        scores.append(float(bool(stated) and int(stated[-1]) == int(a.strip())))
+    return scores
+
+
+REWARDS = {"exact_match": exact_match_reward, "final_answer": final_answer_reward}
 
 
 class TimedGRPOTrainer(GRPOTrainer):
@@ -86,8 +106,8 @@ class StepLog(TrainerCallback):
     """Writes one JSON line per rollout step (every `minibatches` optimizer steps): its wall time from the end
     of the previous rollout step, the rollout phase's timings, and the mean reward of its samples."""
 
-    def __init__(self, out: Path, minibatches: int, rewards: list[list[float]]):
-        self.out, self.minibatches, self.rewards = out, minibatches, rewards
+    def __init__(self, out: Path, minibatches: int, rewards: list[list[float]], tokens: list[int]):
+        self.out, self.minibatches, self.rewards, self.tokens = out, minibatches, rewards, tokens
         self.trainer: TimedGRPOTrainer | None = None
         self._file = None
         self._last = 0.0
@@ -105,6 +125,7 @@ class StepLog(TrainerCallback):
         times = self.trainer.rollout_times[step - 1]
         rewards = self.rewards[step - 1]
         self._write({"step": step, "reward_mean": sum(rewards) / len(rewards), "samples": len(rewards),
+                     "completion_tokens": self.tokens[step - 1],
                      "step_s": now - self._last, **times, "train_s": now - self._last - times["rollout_s"]})
         self._last = now
 
@@ -134,6 +155,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reward", choices=sorted(REWARDS), default="exact_match")
     a = p.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -146,12 +168,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
 
     rewards: list[list[float]] = []
+    tokens: list[int] = []
+    score = REWARDS[a.reward]
 
-    def reward(completions, answer, **kwargs) -> list[float]:
-        scores = exact_match_reward(completions, answer)
+    def reward(completions, answer, completion_ids=None, **kwargs) -> list[float]:
+        scores = score(completions, answer)
         rewards.append(scores)  # called once per generation batch, with all its samples
+        # completion_ids: TRL's generated ids, cut after the first EOS (which they keep)
+        tokens.append(sum(len(ids) for ids in completion_ids) if completion_ids is not None else -1)
         return scores
-    reward.__name__ = "exact_match"
+    reward.__name__ = a.reward
 
     config = GRPOConfig(
         output_dir=a.work_dir, use_cpu=True, bf16=False, fp16=False, seed=a.seed, data_seed=a.seed,
@@ -164,7 +190,7 @@ def main() -> None:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=a.clip_grad,
         shuffle_dataset=True, save_strategy="no", report_to="none", logging_steps=a.minibatches,
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
-    log = StepLog(Path(a.out), a.minibatches, rewards)
+    log = StepLog(Path(a.out), a.minibatches, rewards, tokens)
     trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward, args=config,
                                train_dataset=dataset, callbacks=[log])
     log.trainer = trainer
