@@ -37,4 +37,4 @@ pip_install --upgrade pip
 pip_install "${requirements[@]}"
 pip_install --no-deps --no-build-isolation -e .
 printf '%s' "$stamp_text" > "$stamp"
-echo "setup: .venv ready ($("$venv/bin/python" -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
+echo "setup: .venv ready ($("$venv/bin/python" -c 'import megatron_gspo, torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'))"
