@@ -17,7 +17,7 @@ from megatron_gspo.rollout.agent.episode import EpisodeRunner
 from megatron_gspo.rollout.agent.tools import ToolBox, parse_tool_calls
 from megatron_gspo.rollout.sglang.client import RolloutClient
 from megatron_gspo.samples import Prompt
-from sglang_test_utils import API_KEY
+from sglang_test_utils import API_KEY, recompute_logprobs
 from tests.agent_checks import check_against_rendering
 
 pytestmark = pytest.mark.sglang
@@ -59,15 +59,6 @@ def run(servers, tokenizer, prompts, n, episode, *, tools=None, max_context, sam
     return asyncio.run(main())
 
 
-def recompute(model, sample, temperature):
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    P = len(sample.prompt_ids)
-    logprobs = torch.log_softmax(logits[P - 1:-1] / temperature, dim=-1)
-    return logprobs.gather(1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-
-
 def test_episodes_are_their_rendered_conversation_and_every_tool_failure_is_a_message(servers, tokenizer, hf_model):
     tools = ToolBox(["tests.unit.agent_tools:misbehave", "tests.unit.agent_tools:echo"], workers=2, timeout_s=1.0)
     try:
@@ -88,7 +79,7 @@ def test_episodes_are_their_rendered_conversation_and_every_tool_failure_is_a_me
             assert len(errors) == len(ERRORS) and all(e.startswith(want) for e, want in zip(errors, ERRORS)), errors
             assert [c.result for c in s.tool_calls if c.error is None] == ["fine", "ok"]
             # The sampler saw exactly these ids turn by turn: its log-probs are a float32 recompute's of them.
-            delta = (torch.tensor(s.rollout_logprobs) - recompute(hf_model, s, 1.0)).abs()
+            delta = (torch.tensor(s.rollout_logprobs) - recompute_logprobs(hf_model, s, 1.0)).abs()
             for k, t in enumerate(s.turns):
                 gaps[k].append(delta[t.start:t.end])
     per_turn = [torch.cat(g) for g in gaps]
