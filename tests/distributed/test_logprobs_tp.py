@@ -9,7 +9,7 @@ WORKER = Path(__file__).parent / "workers" / "logprobs_tp.py"
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes
 def test_logprobs_tp_matches_single_process(tp):
     # 3 checks per case (copy, inplace, inplace == copy); 8 cases, 12 with an all-padding last shard
     run_checks(WORKER, tp, checks=3 * (8 if tp == 1 else 12), timeout=180)

@@ -87,7 +87,7 @@ def check_run(records: list[dict], run_dir: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=pytest.mark.slow)])  # PP2 trains in test_layouts
 def test_two_steps_with_in_process_rollouts(tiny_moe_dir, tmp_path, layout):
     # ep2 writes its checkpoints in the background: the last one is complete when the run ends.
     extra = ["checkpoint.async_save=true", "checkpoint.interval=1"] if layout == "ep2" else []
