@@ -356,7 +356,19 @@ def run_make_data(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with key=value overrides allowed after options too (`eval CONFIG --checkpoint D k=v`:
+    argparse alone ends a positional list at the first option and refuses what follows it)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(arg.startswith("-") or "=" not in arg for arg in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description="GSPO RL post-training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
@@ -369,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     _make_data_parser(sub)
     _eval_parser(sub)
     _config_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, RuntimeError, OSError) as e:  # user-facing errors: one clear line, exit 1
