@@ -10,6 +10,7 @@ model generating collectively on every rank (rollout/megatron/); `rollout.backen
 """
 from __future__ import annotations
 
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
@@ -40,6 +41,14 @@ def failed_on_rank0(what: str, error: BaseException) -> Failed:
     printed here, where it happened."""
     traceback.print_exception(error)
     return Failed(f"{what} failed on rank 0: {type(error).__name__}: {error}")
+
+
+def relayed_error(recorded: str) -> tuple[int, str] | None:
+    """The inverse of `failed_on_rank0` on a rank's recorded exception line ("RolloutFailed: scoring failed on
+    rank 0: RewardError: ..."): (0, "RewardError: ..."), the rank the error happened on and the error itself;
+    None for any other exception."""
+    relayed = re.match(r"RolloutFailed: [\w ]+ failed on rank (\d+): (.*)", recorded, re.DOTALL)
+    return (int(relayed.group(1)), relayed.group(2)) if relayed else None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

@@ -24,7 +24,6 @@ process it forks or starts follows it the same way: platform/lifetime.py).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import sys
@@ -87,9 +86,8 @@ def first_failure(failures: dict) -> str:
         lines = (message["message"] if isinstance(message, dict) else message).splitlines() or ["(no message)"]
         what = lines[0] + (f" [{len(lines) - 1} more lines in its traceback above]" if len(lines) > 1 else "")
         # Every rank raises RolloutFailed with rank 0's error together: name rank 0 and its error.
-        relayed = re.match(r"RolloutFailed: [\w ]+ failed on rank (\d+): (.*)", what, re.DOTALL)
-        if relayed:
-            first, what = int(relayed.group(1)), relayed.group(2)
+        from megatron_gspo.rollout.protocol import relayed_error  # (torch: imported only when ranks failed)
+        first, what = relayed_error(what) or (first, what)
     elif failure.exitcode < 0:
         try:
             what = f"killed by signal {signal.Signals(-failure.exitcode).name}"
