@@ -91,7 +91,7 @@ def main() -> None:
     model, module, init_params = load_model(workdir, name, layout, pgs)
     for n, variant in enumerate(variants):
         if n:  # every variant starts from the initial weights
-            module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+            load_init(workdir, module)
         algorithm = "gspo_token" if variant == "episodes" else options.algorithm
         step = gspo_step(model, layout.cp, options.microbatches, algorithm, correction=variant == "correction",
                          episodes=variant == "episodes")
@@ -102,6 +102,11 @@ def main() -> None:
     done()
 
 
+def load_init(workdir: Path, module) -> None:
+    """WORKDIR/init (the reference's initial weights) into `module`, resharded to its layout."""
+    module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+
+
 def load_model(workdir: Path, name: str, layout: ParallelConfig, pgs):
     """The tiny MoE in `layout`: saved to WORKDIR/init by the reference, loaded from it by the others."""
     model = build_model(TINY_MOE, transformer_config(TINY_MOE, layout), pgs=pgs)
@@ -110,7 +115,7 @@ def load_model(workdir: Path, name: str, layout: ParallelConfig, pgs):
         (workdir / "init").mkdir()
         dist_checkpointing.save(module.sharded_state_dict(), str(workdir / "init"))
     else:
-        module.load_state_dict(dist_checkpointing.load(module.sharded_state_dict(), str(workdir / "init")))
+        load_init(workdir, module)
     init_params = {n: p.detach().clone() for n, p in module.named_parameters()}
     return model, module, init_params
 
