@@ -1,14 +1,19 @@
 """One pair of real SGLang servers (CPU, float32) on a tiny Qwen3 made here, shared by this directory's
-tests and stopped after the last of them (package scope), not at the end of the whole session.
+tests and stopped after the last of them (package scope), not at the end of the whole session. A training
+run that does not need to own its server trains against the first one (`adopted_server`), which is put back
+to the initial weights before and after it.
 
 Needs .venv-sglang (scripts/setup_sglang.sh). The failover test kills the second server, so it runs
 right after the last other test that uses the servers (see pytest_collection_modifyitems).
 """
+from pathlib import Path
+
 import pytest
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.dev.tiny_model import make_tiny_qwen3
 from megatron_gspo.rollout.sglang.server import ServerConfig, launch_servers
+from megatron_gspo.rollout.sglang.weight_sync import connected, sync_from_disk
 from sglang_test_utils import API_KEY
 
 
@@ -36,6 +41,20 @@ def servers(tiny_model_dir, tmp_path_factory):
     with launch_servers(config, num_servers=2) as servers:
         print(f"\nSGLang servers ready after {[round(s.ready_after_s, 1) for s in servers]} s")
         yield servers
+
+
+@pytest.fixture
+def adopted_server(servers, tiny_model_dir):
+    """Overrides that make `megatron-gspo train` adopt the first shared server (rollout.server_urls) instead of
+    starting its own (~a minute of CPU each): the server holds the initial weights as version "0", as a server
+    the run started would, and gets them back after the run (as version "default", the fixture's own)."""
+    def reset(version: str) -> None:
+        with connected([servers[0].url], api_key=API_KEY) as admins:
+            sync_from_disk(admins, Path(tiny_model_dir).resolve(), version)
+
+    reset("0")
+    yield [f"rollout.server_urls=[{servers[0].url}]", f"rollout.api_key={API_KEY}"]
+    reset("default")
 
 
 @pytest.fixture(scope="session")

@@ -35,9 +35,9 @@ def train(*overrides: str, path: str = str(REPO)) -> str:
     return proc.stdout
 
 
-def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
+def test_two_steps_end_to_end(tiny_model_dir, tmp_path, adopted_server):
     run_dir = tmp_path / "run"
-    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
+    overrides = [*adopted_server, f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
                  f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=2", "num_steps=2",
                  f"checkpoint.export_hf={run_dir / 'hf_final'}",
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
@@ -81,6 +81,7 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path):
     assert results["eval/held_out/prompts"] == 10 and 0 <= results["eval/held_out/mean@4"] <= results["eval/held_out/pass@4"] <= 1
 
 
+@pytest.mark.lifecycle
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model_dir, tmp_path, sig):
     """SIGTERM/SIGINT to `megatron-gspo train` (torchrun runs in its process and passes the signal to the
@@ -132,6 +133,7 @@ def command(process) -> str:
         return ""
 
 
+@pytest.mark.lifecycle
 def test_a_killed_server_fails_the_run_after_publishing_its_background_checkpoint(tiny_model_dir, tmp_path):
     """The server dies (SIGKILL) while step 3's checkpoint, written in the background (the demo's
     checkpoint.async_save), is not yet published (a background save is published at the next checkpoint,
@@ -183,12 +185,12 @@ def test_a_killed_server_fails_the_run_after_publishing_its_background_checkpoin
     assert latest.read_text().strip() == "6"
 
 
-def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_path):
+def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_path, adopted_server):
     """rollout.max_staleness=1: step k+1's batch is sampled during step k's training by weights one version
     old (rollout/staleness_*), pi_old is the sampler's; the batch generated ahead at a checkpoint is saved
     with it, and a run resumed there trains on exactly that batch (same rewards, lengths and loss)."""
     run_dir = tmp_path / "run"
-    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
+    overrides = [*adopted_server, f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
                  f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.interval=2", "num_steps=3", "eval.interval=0",
                  "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
                  "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
@@ -220,14 +222,14 @@ def test_overlapped_rollouts_one_step_off_and_exact_resume(tiny_model_dir, tmp_p
         assert abs(after["loss/value"] - before["loss/value"]) <= 1e-6, (before["loss/value"], after["loss/value"])
 
 
-def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model_dir, tmp_path):
+def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model_dir, tmp_path, adopted_server):
     """rollout.partial_rollout: each push goes into the batch being generated (96-token responses take longer
     than a step's training here), which continues under the new weights. The stale prefixes are not trained:
     a step's trained response tokens are its responses' tokens less their stale prefixes, and where every
     sample's trained tokens came from the newest weights, mini-batch 1 sees no train-vs-rollout gap."""
     run_dir = tmp_path / "run"
-    overrides = [f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}",
-                 "num_steps=4", "eval.interval=0", "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
+    overrides = [*adopted_server, f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
+                 f"checkpoint.dir={run_dir / 'ckpt'}", "num_steps=4", "eval.interval=0", "rollout.max_staleness=1", "gspo.old_logprobs=rollout",
                  "rollout.partial_rollout=true", "sampling.max_new_tokens=96", "reward.fn=reward_fns:first_token_odd",
                  "reward.workers=1", "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
                  "gspo.dynamic_sampling=false"]
