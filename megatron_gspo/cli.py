@@ -282,7 +282,7 @@ def run_tiny_model(args) -> int:
         rates = warm_start_tool_use(out, seed=args.seed)
         print(f"format warm-start: with the tool in the prompt {rates['call_rate']:.0%} of sampled episodes call it, "
               f"{rates['relay']:.0%} of those relay its result; right {rates['accuracy_with_tool']:.0%} with the tool, "
-              f"{rates['accuracy_without_tool']:.0%} without (chance: ~3% and ~0%)")
+              f"{rates['accuracy_without_tool']:.0%} without (chance: ~1% and ~0%)")
     print(out)
     return 0
 
@@ -339,8 +339,8 @@ def _make_data_parser(sub) -> None:
                    help="arithmetic: the 55 single-digit sums, 45 train / 10 test (reward exact_match); "
                         "long_addition: the 3240 two-digit sums a+b<=99, 3040 train / 200 test, answered "
                         "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py); "
-                        "multiplication: the 36 products of two 2-3 digit numbers, 30 train / 6 test, for the "
-                        "calculator tool (reward final_answer; megatron_gspo/data/multiplication.py)")
+                        "multiplication: the 100 products of two two-digit numbers, 8 products (both orders) held "
+                        "out to test.jsonl, for the calculator tool (reward final_answer; megatron_gspo/data/multiplication.py)")
     p.add_argument("out", help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/test split")
     p.set_defaults(func=run_make_data)

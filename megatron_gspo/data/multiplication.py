@@ -1,17 +1,19 @@
-"""A task that needs a tool: multiplying two 2-3 digit numbers, with a `calculator` the model may call.
+"""A task that needs a tool: multiplying two two-digit numbers, with a `calculator` the model may call.
 
-A prompt "27*125" (rendered "tools:calculator(expression)\\n27*125=" by the tiny tokenizer's chat template with
-the tool) is answered by a line "answer:3375" (reward `final_answer`: the integer on the trajectory's last
+A prompt "27*83" (rendered "tools:calculator(expression)\\n27*83=" by the tiny tokenizer's chat template with
+the tool) is answered by a line "answer:2241" (reward `final_answer`: the integer on the trajectory's last
 "answer: N" line). A tiny model cannot multiply; with the tool it can in two turns:
 
-    27*125=  <tool_call>{"name": "calculator", "arguments": {"expression": "27*125"}}</tool_call><eos>
-             <tool_response>3375</tool_response>\\n                         (the environment's: not trained)
-             answer:3375<eos>
+    27*83=  <tool_call>{"name": "calculator", "arguments": {"expression": "27*83"}}</tool_call><eos>
+            <tool_response>2241</tool_response>\\n                         (the environment's: not trained)
+            answer:2241<eos>
 
-The operands come from a small set (`OPERANDS`, each one token of the tiny tokenizer): 36 ordered pairs (21
-distinct products), split once, by a seeded shuffle, into train and test files. The
-format warm start (dev/warm_start.py) calls the calculator with *random* operands from the set, or answers
-at random: what is left to learn is which numbers to give it, and that calling it is worth it.
+The operands come from a set of ten two-digit numbers (`OPERANDS`, each one token of the tiny tokenizer): 100
+ordered pairs, 55 distinct products. The test file holds out whole products: `test_products` unordered pairs,
+both orders, chosen by a seeded shuffle, so no test product is ever a training answer and memorising the
+training products scores nothing on it. The format warm start (dev/warm_start.py) calls the calculator with
+*random* operands from the set (right 1 time in 100), or answers at random: what is left to learn is which
+numbers to give it, and that relaying its answer is worth it.
 """
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ import ast
 import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import write_shuffled_split
+from megatron_gspo.data.splits import write_split
 
-OPERANDS = (13, 27, 48, 76, 125, 250)
-"""The operands: 2-3 digit numbers, each a single token of the tiny tokenizer."""
+OPERANDS = (13, 19, 27, 34, 48, 57, 62, 76, 83, 91)
+"""The operands: two-digit numbers, each a single token of the tiny tokenizer; no two unordered pairs of them
+have the same product."""
 
 PAIRS = tuple((a, b) for a in OPERANDS for b in OPERANDS)
-"""The 36 ordered (a, b)."""
+"""The 100 ordered (a, b)."""
 
 TOOL = "megatron_gspo.data.multiplication:calculator"
 """The task's tool, as rollout.tools names it."""
@@ -78,20 +81,34 @@ def call_text(expression: str) -> str:
     return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
-def write_multiplication_data(out_dir: str | Path, *, seed: int = 0, test_pairs: int = 6) -> tuple[Path, Path]:
-    """Write train.jsonl (36 - test_pairs rows) and test.jsonl (test_pairs rows) into `out_dir`; the same seed
-    gives byte-identical files. Returns (train path, test path)."""
-    return write_shuffled_split(out_dir, PAIRS, multiplication_row, test_count=test_pairs, seed=seed,
-                                what="test_pairs")
+def write_multiplication_data(out_dir: str | Path, *, seed: int = 0, test_products: int = 8) -> tuple[Path, Path]:
+    """Write test.jsonl (`test_products` held-out products: their unordered pairs, both orders) and train.jsonl
+    (every other ordered pair) into `out_dir`; the same seed gives byte-identical files. Returns (train path,
+    test path)."""
+    unordered = sorted({tuple(sorted(pair)) for pair in PAIRS})
+    if not 0 < test_products < len(unordered):
+        raise ValueError(f"test_products must be in [1, {len(unordered) - 1}], got {test_products}")
+    random.Random(seed).shuffle(unordered)
+    held_out = set(unordered[:test_products])
+    test = [pair for pair in PAIRS if tuple(sorted(pair)) in held_out]
+    train = [pair for pair in PAIRS if tuple(sorted(pair)) not in held_out]
+    random.Random(seed + 1).shuffle(train)
+    return write_split(out_dir, [multiplication_row(*pair) for pair in train],
+                       [multiplication_row(*pair) for pair in test])
 
 
 def tool_corpus(num_lines: int, seed: int) -> list[str]:
     """Text in the task's format (tools line, prompt, call JSON, result, answer) for the tiny tokenizer's BPE,
-    without the <tool_call> / <tool_response> tags (those are added tokens of their own)."""
+    without the <tool_call> / <tool_response> tags (those are added tokens of their own). The results are random
+    3-4 digit numbers, not the products: a product stays several tokens (as most numbers the BPE saw), so an
+    answer the model makes up is right about never, while relaying the tool's tokens is a copy. (With every
+    product one token, a made-up answer is right about 1 time in 55, and RL memorises the training products
+    instead of learning which numbers to give the tool.)"""
     rng = random.Random(seed)
     lines = []
     for _ in range(num_lines):
         a, b, x, y = (rng.choice(OPERANDS) for _ in range(4))
+        result = rng.randint(100, 9999)
         call = call_text(f"{x}*{y}").replace("<tool_call>", "\n").replace("</tool_call>", "\n")
-        lines.append(f"tools:calculator(expression)\n{a}*{b}={call}{x * y}\n{answer_text(x * y)}")
+        lines.append(f"tools:calculator(expression)\n{a}*{b}={call}{result}\n{answer_text(result)}")
     return lines

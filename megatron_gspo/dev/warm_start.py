@@ -11,10 +11,10 @@ answers are random, so the reward starts at chance and everything above it is GS
   random arithmetic (`random_worked_response`) + EOS: afterwards it writes the two lines and an
   "answer: NN" line, right about 1 time in 100.
 - multiplication with the calculator tool (megatron_gspo/data/multiplication.py): with the tool in the prompt,
-  half the targets call it with *random* operands (from the task's set) and then repeat what it answered
-  ("answer:R"), the other half answer a random number at once; without the tool, a random number at once.
-  Afterwards the model calls the tool about half the time and relays its result, right only when its random
-  operands happen to be the prompt's (2 in 36), so ~3% of its episodes score and ~0% without the tool: using
+  three targets in four call it with *random* operands (from the task's set) and then repeat what it answered
+  ("answer:R"), the others answer a random number at once; without the tool, a random number at once.
+  Afterwards the model calls the tool most of the time and relays its result, right only when its random
+  operands happen to be the prompt's (1 in 100), so ~1% of its episodes score and ~0% without the tool: using
   the tool, and with which numbers, is GSPO's to learn. The targets are tokenised as an episode builds them
   (rollout/agent/chat.py): the tool's answer is appended by the template's rendering and not trained.
 """
@@ -153,7 +153,7 @@ def _score(text: str, answer: str) -> float | None:
 
 @_one_thread()
 def warm_start_tool_use(hf_dir: str | Path, *, steps: int = 500, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
-                        call_rate: float = 0.5, check_prompts: int = 64) -> dict[str, float]:
+                        call_rate: float = 0.75, check_prompts: int = 64) -> dict[str, float]:
     """Supervised format warm start of the multiplication task with the calculator tool, in place (the module
     doc). Returns what sampled episodes (temperature 1) of `check_prompts` seeded problems do afterwards, the
     tool run for real: call_rate (with the tool in the prompt), relay (of those calls, the answer repeats the
