@@ -14,7 +14,8 @@ bfloat16 (rollout.server_dtype); with --moe also with Routing Replay of the samp
 
 `train`: the task's reward curve and held-out mean@k under correction off, token TIS (weight=token, cap 2)
 and geometric MIS (reject=geometric, band [0.5, 2]), with a bf16 sampler against the float32 trainer (the
-mismatch there is to correct), for each seed; the mean and spread over seeds of the last 10 steps' reward,
+mismatch there is to correct), for each seed; every run adopts one SGLang server, reset to the initial weights
+before it (benchmarks/shared_server.py); the mean and spread over seeds of the last 10 steps' reward,
 the final held-out mean@k, and the mean step time (the correction's cost).
 Every number comes from the runs' metrics.jsonl, written by the trainer itself.
 """
@@ -31,7 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_gspo.training.metrics import read_metrics  # noqa: E402  (needs the path above)
+from benchmarks.shared_server import SharedServer  # noqa: E402  (needs the path above)
+from megatron_gspo.training.metrics import read_metrics  # noqa: E402
 
 MISMATCH_KEYS = ["correction/kl_k3", "correction/log_ratio_abs_mean", "correction/ess", "correction/weight_mean",
                  "correction/weight_max", "correction/truncated_fraction", "correction/rejected_fraction",
@@ -82,24 +84,35 @@ def mismatch(args, hf: Path, tmp: Path) -> None:
         print(f"{name:22s}" + "".join(f"{row.get(k, float('nan')):12.3g}" for k in MISMATCH_KEYS))
 
 
+def _summary(records: list[dict], wall: float) -> dict:
+    """One run's numbers: reward over its first and last 10 steps, held-out mean@k first and last, kl_k3."""
+    steps = first_minibatches(records)
+    evals = [r for r in records if any(k.startswith("eval/") and "/mean@" in k for k in r)]
+    eval_key = next((k for r in evals for k in r if k.startswith("eval/") and "/mean@" in k), None)
+    return {"last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
+            "first10": statistics.mean(r["reward/mean"] for r in steps[:10]),
+            "eval": evals[-1][eval_key] if eval_key else float("nan"),
+            "eval0": evals[0][eval_key] if eval_key else float("nan"),
+            "step_s": statistics.median(r["time/step_s"] for r in steps[1:]),
+            "kl_k3": statistics.mean(r.get("correction/kl_k3", 0.0) for r in steps),
+            "wall": wall}
+
+
 def comparison(args, hf: Path, tmp: Path) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = [f"num_steps={args.steps}", "model.dtype=float32", "rollout.server_dtype=bfloat16", *args.override]
     results: dict[str, list[dict]] = {name: [] for name in CORRECTIONS}
-    for seed in seeds:
-        for name, extra in CORRECTIONS.items():
-            print(f"training {args.steps} steps, seed {seed}: correction {name} ...", flush=True)
-            records, wall = train(args.config, hf, tmp / f"{name}-{seed}", [*base, f"seed={seed}", *extra])
-            steps = first_minibatches(records)
-            evals = [r for r in records if any(k.startswith("eval/") and "/mean@" in k for k in r)]
-            eval_key = next((k for r in evals for k in r if k.startswith("eval/") and "/mean@" in k), None)
-            results[name].append({"last10": statistics.mean(r["reward/mean"] for r in steps[-10:]),
-                                  "first10": statistics.mean(r["reward/mean"] for r in steps[:10]),
-                                  "eval": evals[-1][eval_key] if eval_key else float("nan"),
-                                  "eval0": evals[0][eval_key] if eval_key else float("nan"),
-                                  "step_s": statistics.median(r["time/step_s"] for r in steps[1:]),
-                                  "kl_k3": statistics.mean(r.get("correction/kl_k3", 0.0) for r in steps),
-                                  "wall": wall})
+    server = SharedServer(args.config, hf, tmp / "server", base)  # every run adopts it, reset to hf before each
+    try:
+        for seed in seeds:
+            for name, extra in CORRECTIONS.items():
+                print(f"training {args.steps} steps, seed {seed}: correction {name} ...", flush=True)
+                server.reset()
+                records, wall = train(args.config, hf, tmp / f"{name}-{seed}",
+                                      [*base, *server.overrides, f"seed={seed}", *extra])
+                results[name].append(_summary(records, wall))
+    finally:
+        server.stop()
     print(f"\n{args.config}, {args.steps} steps, bf16 sampler vs float32 trainer, seeds {seeds} (mean +- std over seeds):")
     print(f"{'correction':16s}{'reward first 10':>18s}{'reward last 10':>18s}{'held-out first':>16s}{'held-out last':>16s}"
           f"{'kl_k3':>10s}{'step s (median)':>18s}")

@@ -27,7 +27,8 @@ not ask for) serves every run: before each run it reloads the initial weights fr
 version 0 (/update_weights_from_disk, KV cache flushed), so each run starts where a freshly launched server
 would; --server-per-run launches one per run instead (~100 s each on CPU).
 
-Runs go seed by seed (every arm of seed 1, then seed 2, ...), so a budget cut short still compares arms.
+Runs go seed by seed (every arm of seed 1, then seed 2, ...), so a budget cut short still compares arms;
+a finished run (its run dir has wall_s) is not run again, so `--seeds 3` after `--seeds 2` adds seed 3.
 Every number in OUT/results/ (results.md, results.json, moe_stability.png) is read from the runs'
 metrics.jsonl, written by the trainer; per arm: mean and spread (sample std, and min..max) over seeds.
 """
@@ -47,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_gspo.training.metrics import read_metrics  # noqa: E402  (needs the path above)
+from benchmarks.shared_server import SharedServer  # noqa: E402  (needs the path above)
+from megatron_gspo.training.metrics import read_metrics  # noqa: E402
 
 CONFIG = REPO / "examples" / "paper_moe" / "config.yaml"
 ARMS: dict[str, list[str]] = {
@@ -92,44 +94,18 @@ def weights_digest(hf: Path) -> str:
     return h.hexdigest()[:16]
 
 
-class SharedServer:
-    """One SGLang server for every run, reset to the initial weights before each."""
-
-    def __init__(self, hf: Path, out: Path, overrides: list[str]):
-        from megatron_gspo.config import load_config
-        from megatron_gspo.rollout.sglang.backend import server_config
-        from megatron_gspo.rollout.sglang.server import SGLangServer
-
-        config = load_config(CONFIG, [f"model.hf_path={hf}", f"logging.run_dir={out / 'server'}",
-                                      "gspo.routing_replay=rollout", *overrides])
-        self.hf = hf
-        self.server = SGLangServer(server_config(config)).start()
-        print(f"SGLang server at {self.server.url} (log {self.server.log_path}) ...", flush=True)
-        print(f"   ready after {self.server.wait_ready():.0f} s", flush=True)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def reset(self) -> None:
-        from megatron_gspo.rollout.sglang.weight_sync import connected, sync_from_disk
-
-        with connected([self.url]) as admins:
-            sync_from_disk(admins, self.hf.resolve(), "0")
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
 def run_one(arm: str, seed: int, hf: Path, out: Path, steps: int, overrides: list[str],
             server: SharedServer | None) -> float:
     run_dir = out / "runs" / arm / f"seed{seed}"
+    if (run_dir / "wall_s").exists():  # finished: its numbers are reused (a budget is run in pieces)
+        print(f"== {arm} seed {seed}: done already ({run_dir})", flush=True)
+        return float((run_dir / "wall_s").read_text())
     if (run_dir / "metrics.jsonl").exists():
-        raise SystemExit(f"{run_dir} holds a run already: move it away, or --no-train to summarize")
+        raise SystemExit(f"{run_dir} holds an unfinished run: move it away, or --no-train to summarize the others")
     extra = []
     if server is not None:
         server.reset()
-        extra = [f"rollout.server_urls=[{server.url}]"]
+        extra = server.overrides
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", str(CONFIG), f"model.hf_path={hf}",
            f"logging.run_dir={run_dir}", f"num_steps={steps}", f"eval.interval={steps}", f"seed={seed}",
            *ARMS[arm], *extra, *overrides]
@@ -429,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     if not args.no_train:
-        server = None if args.server_per_run else SharedServer(hf, out, overrides)
+        server = None if args.server_per_run else SharedServer(CONFIG, hf, out / "server",
+                                                                ["gspo.routing_replay=rollout", *overrides])
         try:
             for seed in seeds:
                 for arm in arms:
