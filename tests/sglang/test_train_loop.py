@@ -251,3 +251,32 @@ def test_partial_rollouts_train_only_the_tokens_of_the_newest_weights(tiny_model
         assert trained == round(responses * (1 - first["rollout/stale_prefix_fraction"])), (k, trained, responses)
         if first["rollout/weight_version"] == str(k) and first["rollout/partial_fraction"] > 0:
             assert first["train/rollout_abs_delta_token"] < 1e-4, first  # every trained token by these weights
+
+
+def test_overlapped_rollouts_with_a_recomputed_proximal_policy_and_token_tis(tiny_model_dir, tmp_path, adopted_server):
+    """rollout.max_staleness=1 with gspo.old_logprobs=recompute and correction.weight=token (AReaL's decoupled
+    objective): pi_old is recomputed with the weights at the start of the step (the proximal policy the clip is
+    centred on), so mini-batch 1 clips nothing even on a batch sampled one version back, while the stale
+    behaviour policy shows in the mismatch metrics and the truncated weights that correct for it."""
+    run_dir = tmp_path / "run"
+    overrides = [*adopted_server, f"model.hf_path={tiny_model_dir}", f"logging.run_dir={run_dir}",
+                 f"checkpoint.dir={run_dir / 'ckpt'}", "num_steps=3", "eval.interval=0",
+                 "rollout.max_staleness=1", "gspo.old_logprobs=recompute", "correction.weight=token",
+                 "reward.fn=reward_fns:first_token_odd", "reward.workers=1",  # a signal on the random model
+                 "gspo.prompts_per_step=4", "gspo.group_size=4", "gspo.num_minibatches=2",
+                 "gspo.dynamic_sampling=false"]
+    train(*overrides, path=f"{REPO}{os.pathsep}{REPO / 'tests' / 'unit'}")
+    records = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "loss/value" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    firsts = records[0::2]
+    assert [r["rollout/staleness_max"] for r in firsts] == [0, 1, 1]
+    for r in firsts:  # on-policy w.r.t. the proximal policy, whatever the sampler's version
+        assert r["loss/clipped_fraction_seq"] == 0.0, r
+    # step 1: the sampler had these very weights (float rounding only); steps 2-3: one update behind
+    assert firsts[0]["correction/kl_k3"] < 1e-9 and firsts[0]["correction/truncated_fraction"] == 0.0, firsts[0]
+    assert records[0]["train/grad_norm"] > 0 or records[1]["train/grad_norm"] > 0, records[:2]  # step 1 moved them
+    stale = firsts[1]
+    assert stale["correction/kl_k3"] > 100 * max(firsts[0]["correction/kl_k3"], 1e-12), (firsts[0], stale)
+    assert stale["correction/log_ratio_abs_mean"] > 10 * firsts[0]["correction/log_ratio_abs_mean"], (firsts[0], stale)
+    assert stale["correction/weight_mean"] != 1.0 and stale["correction/weight_max"] <= 2.0, stale
