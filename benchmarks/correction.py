@@ -95,6 +95,9 @@ def _summary(records: list[dict], wall: float) -> dict:
             "eval0": evals[0][eval_key] if eval_key else float("nan"),
             "step_s": statistics.median(r["time/step_s"] for r in steps[1:]),
             "kl_k3": statistics.mean(r.get("correction/kl_k3", 0.0) for r in steps),
+            "ess": statistics.mean(r.get("correction/ess", 1.0) for r in steps),
+            "rejected": statistics.mean(r.get("correction/rejected_fraction", 0.0) for r in steps),
+            "truncated": statistics.mean(r.get("correction/truncated_fraction", 0.0) for r in steps),
             "wall": wall}
 
 
@@ -115,14 +118,15 @@ def comparison(args, hf: Path, tmp: Path) -> None:
         server.stop()
     print(f"\n{args.config}, {args.steps} steps, bf16 sampler vs float32 trainer, seeds {seeds} (mean +- std over seeds):")
     print(f"{'correction':16s}{'reward first 10':>18s}{'reward last 10':>18s}{'held-out first':>16s}{'held-out last':>16s}"
-          f"{'kl_k3':>10s}{'step s (median)':>18s}")
+          f"{'kl_k3':>10s}{'ess':>8s}{'truncated':>11s}{'rejected':>10s}{'step s (median)':>18s}")
     for name, runs in results.items():
         def cell(key, width):
             values = [r[key] for r in runs]
             spread = statistics.stdev(values) if len(values) > 1 else 0.0
             return f"{statistics.mean(values):.3f} +- {spread:.3f}".rjust(width)
+        mean = lambda key: statistics.mean(r[key] for r in runs)  # noqa: E731
         print(f"{name:16s}{cell('first10', 18)}{cell('last10', 18)}{cell('eval0', 16)}{cell('eval', 16)}"
-              f"{statistics.mean(r['kl_k3'] for r in runs):10.2e}{cell('step_s', 18)}")
+              f"{mean('kl_k3'):10.2e}{mean('ess'):8.3f}{mean('truncated'):11.2e}{mean('rejected'):10.2e}{cell('step_s', 18)}")
 
 
 def main(argv=None) -> int:
