@@ -282,7 +282,7 @@ def run_tiny_model(args) -> int:
         rates = warm_start_tool_use(out, seed=args.seed)
         print(f"format warm-start: with the tool in the prompt {rates['call_rate']:.0%} of sampled episodes call it, "
               f"{rates['relay']:.0%} of those relay its result; right {rates['accuracy_with_tool']:.0%} with the tool, "
-              f"{rates['accuracy_without_tool']:.0%} without (chance: ~1% and ~0%)")
+              f"{rates['accuracy_without_tool']:.0%} without (chance: ~1.5% and ~0%)")
     print(out)
     return 0
 

@@ -12,7 +12,7 @@ The operands come from a set of ten two-digit numbers (`OPERANDS`, each one toke
 ordered pairs, 55 distinct products. The test file holds out whole products: `test_products` unordered pairs,
 both orders, chosen by a seeded shuffle, so no test product is ever a training answer and memorising the
 training products scores nothing on it. The format warm start (dev/warm_start.py) calls the calculator with
-*random* operands from the set (right 1 time in 100), or answers at random: what is left to learn is which
+*random* operands from the set (right 2 times in 100: either order), or answers at random: what is left to learn is which
 numbers to give it, and that relaying its answer is worth it.
 """
 from __future__ import annotations

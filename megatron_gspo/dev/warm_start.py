@@ -14,7 +14,7 @@ answers are random, so the reward starts at chance and everything above it is GS
   three targets in four call it with *random* operands (from the task's set) and then repeat what it answered
   ("answer:R"), the others answer a random number at once; without the tool, a random number at once.
   Afterwards the model calls the tool most of the time and relays its result, right only when its random
-  operands happen to be the prompt's (1 in 100), so ~1% of its episodes score and ~0% without the tool: using
+  operands happen to be the prompt's (2 in 100, either order), so ~1.5% of its episodes score and ~0% without the tool: using
   the tool, and with which numbers, is GSPO's to learn. The targets are tokenised as an episode builds them
   (rollout/agent/chat.py): the tool's answer is appended by the template's rendering and not trained.
 """
