@@ -98,6 +98,9 @@ def run_one(arm: str, seed: int, hf: Path, out: Path, steps: int, overrides: lis
             server: SharedServer | None) -> float:
     run_dir = out / "runs" / arm / f"seed{seed}"
     if (run_dir / "wall_s").exists():  # finished: its numbers are reused (a budget is run in pieces)
+        done = summarize_run(run_dir)["steps"]
+        if done != steps:
+            raise SystemExit(f"{run_dir} ran {done} rollout steps, not --steps {steps}: move it away, or --out another")
         print(f"== {arm} seed {seed}: done already ({run_dir})", flush=True)
         return float((run_dir / "wall_s").read_text())
     if (run_dir / "metrics.jsonl").exists():
