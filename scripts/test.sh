@@ -5,10 +5,10 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$root/scripts/setup.sh"
 cd "$root"
-# Default selection: everything but the slow, GPU and lifecycle tiers (.ci/run runs lifecycle after it).
+# Default selection: everything but the slow, GPU and e2e tiers (.ci/run runs e2e after it).
 # The sglang tier (real SGLang servers on CPU) needs .venv-sglang: set it up (idempotent; ~2.8 GB and
 # ~80 s the first time) whenever the selection can include it.
-if [ $# -eq 0 ]; then set -- -m "not slow and not gpu and not lifecycle" --durations=15; fi
+if [ $# -eq 0 ]; then set -- -m "not slow and not gpu and not e2e" --durations=15; fi
 case " $* " in
   *"not sglang"*) ;;
   *) "$root/scripts/setup_sglang.sh" ;;

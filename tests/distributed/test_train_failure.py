@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_the_first_failing_ranks_exception_is_the_last_line(tmp_path):
     # 2 ranks, in-process rollouts (no SGLang); the reward module fails to import on rank 1 only, in its
     # preflight: the launcher's preflight passed, rank 0 goes on into Megatron's set-up and is stopped.
@@ -44,6 +45,7 @@ def test_the_first_failing_ranks_exception_is_the_last_line(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 def test_a_reward_function_that_always_hangs_stops_the_run_within_two_timeouts(tmp_path):
     # The demo config on one process sampling with the model it trains (no SGLang). Its step-0 eval (10 held-out
     # prompts x 16 samples) is scored by a function that never returns, 2 workers, 1 s each. Before: 160 x 1 s /

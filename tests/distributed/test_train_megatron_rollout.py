@@ -87,6 +87,7 @@ def check_run(records: list[dict], run_dir: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=pytest.mark.slow)])  # PP2 trains in test_layouts
 def test_two_steps_with_in_process_rollouts(tiny_moe_dir, tmp_path, layout):
     # ep2 writes its checkpoints in the background: the last one is complete when the run ends.
@@ -97,6 +98,7 @@ def test_two_steps_with_in_process_rollouts(tiny_moe_dir, tmp_path, layout):
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 @pytest.mark.parametrize("algorithm", [pytest.param("gspo", marks=pytest.mark.slow),  # the runs above are gspo
                                        pytest.param("gspo_token", marks=pytest.mark.slow), "grpo"])
 def test_two_steps_per_algorithm(tiny_moe_dir, tmp_path, algorithm):
@@ -114,6 +116,7 @@ def checkpoint_tensors(directory: Path) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_killed_run_resumes_exactly(tiny_moe_dir, tmp_path):
     """4 steps at EP2: uninterrupted, and killed (SIGKILL) after step 2's checkpoint then resumed:

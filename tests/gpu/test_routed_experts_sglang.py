@@ -4,7 +4,7 @@ native-torch one: tests/sglang/test_sglang_moe_cpu.py): a tiny Qwen3-MoE served 
 and they are the experts the Hugging Face model's own routers pick for the same tokens at the same
 positions (an off-by-one in the positions would match only by chance).
 
-Deselected by default (scripts/test.sh: -m "not slow and not gpu and not lifecycle"); skipped without CUDA
+Deselected by default (scripts/test.sh: -m "not slow and not gpu and not e2e"); skipped without CUDA
 or without the SGLang environment. Run: .venv/bin/python -m pytest tests/gpu/test_routed_experts_sglang.py -m gpu
 """
 from pathlib import Path

@@ -21,7 +21,7 @@ import pytest
 from megatron_gspo.rollout.sglang.server import remove_shm_files, shm_files_of_group
 from megatron_gspo.training.run_lock import DirLock
 
-pytestmark = [pytest.mark.sglang, pytest.mark.lifecycle]
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "MEGATRON_GSPO_TEST_RUN"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -81,7 +81,6 @@ def test_two_steps_end_to_end(tiny_model_dir, tmp_path, adopted_server):
     assert results["eval/held_out/prompts"] == 10 and 0 <= results["eval/held_out/mean@4"] <= results["eval/held_out/pass@4"] <= 1
 
 
-@pytest.mark.lifecycle
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_after_the_step_with_a_checkpoint_and_no_orphans(tiny_model_dir, tmp_path, sig):
     """SIGTERM/SIGINT to `megatron-gspo train` (torchrun runs in its process and passes the signal to the
@@ -133,7 +132,6 @@ def command(process) -> str:
         return ""
 
 
-@pytest.mark.lifecycle
 def test_a_killed_server_fails_the_run_after_publishing_its_background_checkpoint(tiny_model_dir, tmp_path):
     """The server dies (SIGKILL) while step 3's checkpoint, written in the background (the demo's
     checkpoint.async_save), is not yet published (a background save is published at the next checkpoint,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.lifecycle]
+pytestmark = [pytest.mark.slurm, pytest.mark.sglang, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 HELPER = REPO / "scripts/ci/slurm_cluster.sh"
 SBATCH = REPO / "scripts/slurm/gspo.sbatch"
