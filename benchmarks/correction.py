@@ -105,8 +105,7 @@ def comparison(args, hf: Path, tmp: Path) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = [f"num_steps={args.steps}", "model.dtype=float32", "rollout.server_dtype=bfloat16", *args.override]
     results: dict[str, list[dict]] = {name: [] for name in CORRECTIONS}
-    server = SharedServer(args.config, hf, tmp / "server", base)  # every run adopts it, reset to hf before each
-    try:
+    with SharedServer(args.config, hf, tmp / "server", base) as server:  # every run adopts it, reset before each
         for seed in seeds:
             for name, extra in CORRECTIONS.items():
                 print(f"training {args.steps} steps, seed {seed}: correction {name} ...", flush=True)
@@ -114,8 +113,6 @@ def comparison(args, hf: Path, tmp: Path) -> None:
                 records, wall = train(args.config, hf, tmp / f"{name}-{seed}",
                                       [*base, *server.overrides, f"seed={seed}", *extra])
                 results[name].append(_summary(records, wall))
-    finally:
-        server.stop()
     print(f"\n{args.config}, {args.steps} steps, bf16 sampler vs float32 trainer, seeds {seeds} (mean +- std over seeds):")
     print(f"{'correction':16s}{'reward first 10':>18s}{'reward last 10':>18s}{'held-out first':>16s}{'held-out last':>16s}"
           f"{'kl_k3':>10s}{'ess':>8s}{'truncated':>11s}{'rejected':>10s}{'step s (median)':>18s}")
