@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import write_shuffled_split
+from megatron_gspo.data.splits import shuffled_split, write_shuffled_split
 
 PROBLEMS = tuple((a, b) for a in range(10, 100) for b in range(10, 100 - a))
 """The 3240 (a, b) with 10 <= a, b and a + b <= 99."""
@@ -74,3 +74,9 @@ def write_long_addition_data(out_dir: str | Path, *, seed: int = 0, test_problem
     Returns (train path, test path).
     """
     return write_shuffled_split(out_dir, PROBLEMS, long_addition_row, test_count=test_problems, seed=seed, what="test_problems")
+
+
+def split_problems(*, seed: int = 0, test_problems: int = 200) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(train, test) problems exactly as write_long_addition_data writes them for the same arguments (the
+    committed examples/data/long_addition/ is seed 0, 200 test problems)."""
+    return shuffled_split(PROBLEMS, test_count=test_problems, seed=seed, what="test_problems")

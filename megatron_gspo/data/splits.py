@@ -23,13 +23,20 @@ def write_split(out_dir: str | Path, train_rows: Iterable[dict], test_rows: Iter
     return paths
 
 
-def write_shuffled_split(out_dir: str | Path, items: Sequence, row: Callable[..., dict], *, test_count: int,
-                         seed: int, what: str) -> tuple[Path, Path]:
-    """`items` shuffled once by `seed`, the first `test_count` to test.jsonl and the rest to train.jsonl, each
-    as `row(*item)` (write_split). The same seed gives byte-identical files. `what` names the count in errors."""
+def shuffled_split(items: Sequence, *, test_count: int, seed: int, what: str) -> tuple[list, list]:
+    """`items` shuffled once by `seed`: (the rest, the first `test_count`), i.e. (train, test). The split
+    write_shuffled_split writes, for code that needs the problems themselves (a warm start that must not see
+    the test problems). `what` names the count in errors."""
     if not 0 < test_count < len(items):
         raise ValueError(f"{what} must be in [1, {len(items) - 1}], got {test_count}")
     shuffled = list(items)
     random.Random(seed).shuffle(shuffled)
-    return write_split(out_dir, [row(*item) for item in shuffled[test_count:]],
-                       [row(*item) for item in shuffled[:test_count]])
+    return shuffled[test_count:], shuffled[:test_count]
+
+
+def write_shuffled_split(out_dir: str | Path, items: Sequence, row: Callable[..., dict], *, test_count: int,
+                         seed: int, what: str) -> tuple[Path, Path]:
+    """shuffled_split's train and test items to OUT_DIR/train.jsonl and test.jsonl, each as `row(*item)`
+    (write_split). The same seed gives byte-identical files. `what` names the count in errors."""
+    train, test = shuffled_split(items, test_count=test_count, seed=seed, what=what)
+    return write_split(out_dir, [row(*item) for item in train], [row(*item) for item in test])

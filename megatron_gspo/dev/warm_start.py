@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_gspo.data.arithmetic import PAIRS
-from megatron_gspo.data.long_addition import PROBLEMS, random_worked_response
+from megatron_gspo.data.long_addition import PROBLEMS, random_worked_response, split_problems, worked_response
 from megatron_gspo.rewards import Unparsed
 from megatron_gspo.rewards.verifiers import final_answer
 from megatron_gspo.samples import Sample
@@ -107,26 +107,38 @@ def warm_start_format(hf_dir: str | Path, *, steps: int = 150, batch_size: int =
 
 @_one_thread()
 def warm_start_long_addition(hf_dir: str | Path, *, steps: int = 400, batch_size: int = 32, lr: float = 6e-3,
-                             seed: int = 0, check_prompts: int = 64) -> tuple[float, float]:
+                             seed: int = 0, check_prompts: int = 64, correct_fraction: float = 0.0) -> tuple[float, float]:
     """Supervised format warm-start of the long_addition task, in place: "a+b=" -> the worked format with
     random arithmetic (data/long_addition.py random_worked_response) + EOS, on random problems.
 
-    Returns (format rate, accuracy) of greedy responses to `check_prompts` seeded problems: the fraction
-    that states an answer the `final_answer` verifier reads, and the fraction right (chance: ~0.01).
+    correct_fraction > 0 makes it a cold start instead (the paper's starting point: a model that already
+    solves some problems): that fraction of the targets are the correct worked responses of *training*
+    problems (split_problems(): the committed test.jsonl's 200 problems are never shown), the rest as above.
+
+    Returns (format rate, accuracy) of greedy responses to `check_prompts` held-out problems (the first of the
+    test split): the fraction that states an answer the `final_answer` verifier reads, and the fraction right
+    (chance: ~0.01).
     """
+    if not 0.0 <= correct_fraction <= 1.0:
+        raise ValueError(f"correct_fraction must be in [0, 1], got {correct_fraction}")
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    train_problems, test_problems = split_problems()
 
     def example() -> Example:
-        a, b = rng.choice(PROBLEMS)
-        return (tok(f"{a}+{b}=")["input_ids"],
-                tok(random_worked_response(rng))["input_ids"] + [tok.eos_token_id])
+        if correct_fraction and rng.random() < correct_fraction:
+            a, b = rng.choice(train_problems)
+            target = worked_response(a, b)
+        else:
+            a, b = rng.choice(PROBLEMS)
+            target = random_worked_response(rng)
+        return tok(f"{a}+{b}=")["input_ids"], tok(target)["input_ids"] + [tok.eos_token_id]
 
     _fit(model, example, steps=steps, batch_size=batch_size, lr=lr, pad_id=tok.eos_token_id)
     model.save_pretrained(hf_dir)
-    problems = random.Random(seed + 1).sample(PROBLEMS, check_prompts)
+    problems = test_problems[:check_prompts]
     texts = greedy_responses(model, tok, [f"{a}+{b}=" for a, b in problems], max_new_tokens=96)
     scores = [_score(text, str(a + b)) for text, (a, b) in zip(texts, problems)]
     return (sum(s is not None for s in scores) / len(scores), sum(s == 1.0 for s in scores) / len(scores))

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_gspo.cli import main as cli_main
 from megatron_gspo.config import load_config
-from megatron_gspo.data.long_addition import (PROBLEMS, random_worked_response, worked_response,
+from megatron_gspo.data.long_addition import (PROBLEMS, random_worked_response, split_problems, worked_response,
                                               write_long_addition_data)
 from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
 from megatron_gspo.rewards.verifiers import final_answer
@@ -60,6 +60,16 @@ def test_files_are_a_seeded_disjoint_split_written_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["test.jsonl", "train.jsonl"]  # no temporaries
     with pytest.raises(ValueError, match="test_problems must be in"):
         write_long_addition_data(tmp_path / "d", test_problems=3240)
+
+
+def test_split_problems_are_the_committed_files_in_order():
+    # what the cold start (dev/warm_start.py) trains on and keeps away from: the committed files' problems
+    train, test = split_problems()
+    assert train == [operands(r) for r in rows(EXAMPLE_DATA / "train.jsonl")]
+    assert test == [operands(r) for r in rows(EXAMPLE_DATA / "test.jsonl")]
+    assert split_problems(seed=1)[1] != test
+    with pytest.raises(ValueError, match="test_problems must be in"):
+        split_problems(test_problems=0)
 
 
 def test_the_worked_response_of_every_test_row_verifies():

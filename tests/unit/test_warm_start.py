@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_gspo.data.long_addition import PROBLEMS
+from megatron_gspo.cli import main as cli_main
+from megatron_gspo.data.long_addition import PROBLEMS, split_problems, worked_response
+from megatron_gspo.dev import warm_start
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 from megatron_gspo.dev.warm_start import _score, greedy_responses, warm_start_long_addition
 
@@ -47,3 +49,54 @@ def test_warm_start_teaches_the_format_and_no_answers(tmp_path):
     warm_start_long_addition(hf, steps=100, batch_size=16, check_prompts=8)
     format_rate, accuracy = greedy_format_rate_and_accuracy(hf, problems)
     assert format_rate >= 0.9 and accuracy <= 0.1
+
+
+def drawn_examples(monkeypatch, hf, count, **kwargs):
+    """The (prompt, target) texts warm_start_long_addition would train on: its _fit replaced by a recorder."""
+    tok = AutoTokenizer.from_pretrained(hf)
+    drawn = []
+
+    def record(model, examples, **_):
+        for _ in range(count):
+            prompt_ids, target_ids = examples()
+            drawn.append((tok.decode(prompt_ids), tok.decode(target_ids, skip_special_tokens=True)))
+
+    monkeypatch.setattr(warm_start, "_fit", record)
+    warm_start_long_addition(hf, check_prompts=2, **kwargs)
+    return drawn
+
+
+def test_cold_start_shows_correct_responses_of_training_problems_only(tmp_path, monkeypatch):
+    hf = make_tiny_qwen3(tmp_path / "hf")
+    train, test = map(set, split_problems())
+
+    def problem(prompt):
+        a, b = prompt.rstrip("=").split("+")
+        return int(a), int(b)
+
+    cold = drawn_examples(monkeypatch, hf, 400, correct_fraction=1.0)
+    assert all(problem(p) in train and t == worked_response(*problem(p)) for p, t in cold)
+    half = drawn_examples(monkeypatch, hf, 400, correct_fraction=0.5)
+    correct = [(p, t) for p, t in half if t == worked_response(*problem(p))]
+    assert 150 < len(correct) < 250 and all(problem(p) in train for p, _ in correct)
+    # the format warm start: random digits on any problem (a right one by chance ~1 in 100: answer and steps)
+    fmt = drawn_examples(monkeypatch, hf, 400)
+    assert sum(t == worked_response(*problem(p)) for p, t in fmt) <= 2
+    assert any(problem(p) in test for p, _ in fmt)
+    with pytest.raises(ValueError, match="correct_fraction must be in"):
+        warm_start_long_addition(hf, correct_fraction=1.5)
+
+
+def test_tiny_model_cli_refuses_a_cold_start_without_its_task(tmp_path):
+    with pytest.raises(SystemExit, match="--cold-start 200 needs --warm-start long_addition"):
+        cli_main(["tiny-model", str(tmp_path / "hf"), "--warm-start", "arithmetic", "--cold-start", "200"])
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_cold_start_teaches_answers_to_held_out_problems(tmp_path):
+    # ~60 s on 2 shared cores. The format warm start leaves greedy answers at chance; 250 steps on correct
+    # worked responses of training problems (measured: 89% of the 200 held-out problems right, greedy).
+    hf = make_tiny_qwen3(tmp_path / "hf")
+    format_rate, accuracy = warm_start_long_addition(hf, correct_fraction=1.0, steps=250, check_prompts=64)
+    assert format_rate >= 0.9 and accuracy >= 0.5
