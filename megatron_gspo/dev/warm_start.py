@@ -9,7 +9,8 @@ answers are random, so the reward starts at chance and everything above it is GS
   about 1 time in 10.
 - long_addition (megatron_gspo/data/long_addition.py): "a+b=" -> the worked column-by-column format with
   random arithmetic (`random_worked_response`) + EOS: afterwards it writes the two lines and an
-  "answer: NN" line, right about 1 time in 100.
+  "answer: NN" line, right about 1 time in 100. Its cold start (correct_fraction, `tiny-model --cold-start`)
+  is the exception: correct worked responses of training problems, so the reward starts above chance.
 - multiplication with the calculator tool (megatron_gspo/data/multiplication.py): with the tool in the prompt,
   three targets in four call it with *random* operands (from the task's set) and then repeat what it answered
   ("answer:R"), the others answer a random number at once; without the tool, a random number at once.
