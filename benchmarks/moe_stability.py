@@ -229,9 +229,9 @@ def spread(values) -> dict:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-SCALARS = ("reward_first", "reward_final", "unparsed_final", "reward_mean", "eval_first", "eval_last", "clipped_token", "clipped_token_later",
-           "routing_changed", "log_w_std", "log_s_std", "gap_token", "response_length", "zero_signal",
-           "rollout_tokens_per_s", "step_s", "wall_s")
+SCALARS = ("reward_first", "reward_final", "unparsed_final", "reward_mean", "eval_first", "eval_last",
+           "clipped_token", "clipped_token_later", "routing_changed", "log_w_std", "log_s_std", "gap_token",
+           "response_length", "zero_signal", "rollout_tokens_per_s", "step_s", "wall_s")
 
 
 def summarize_arm(arm: str, runs: dict[int, dict]) -> dict:
@@ -264,7 +264,8 @@ def _fmt(s: dict, fmt: str) -> str:
 
 
 def table(arms: dict[str, dict]) -> str:
-    cols = [("reward_first", "train reward, first 3 steps", "{:.3f}"), ("reward_final", "train reward, last 3 steps", "{:.3f}"),
+    cols = [("reward_first", "train reward, first 3 steps", "{:.3f}"),
+            ("reward_final", "train reward, last 3 steps", "{:.3f}"),
             ("eval_first", "held-out mean@k, step 0", "{:.3f}"), ("eval_last", "held-out mean@k, end", "{:.3f}"),
             ("unparsed_final", "no answer line, last 3 steps", "{:.3f}"),
             ("clipped_token", "clipped tokens", "{:.2e}"), ("routing_changed", "routing changed per update", "{:.3f}"),

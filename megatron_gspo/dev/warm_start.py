@@ -108,7 +108,8 @@ def warm_start_format(hf_dir: str | Path, *, steps: int = 150, batch_size: int =
 
 @_one_thread()
 def warm_start_long_addition(hf_dir: str | Path, *, steps: int = 400, batch_size: int = 32, lr: float = 6e-3,
-                             seed: int = 0, check_prompts: int = 64, correct_fraction: float = 0.0) -> tuple[float, float]:
+                             seed: int = 0, check_prompts: int = 64, correct_fraction: float = 0.0
+                             ) -> tuple[float, float]:
     """Supervised format warm-start of the long_addition task, in place: "a+b=" -> the worked format with
     random arithmetic (data/long_addition.py random_worked_response) + EOS, on random problems.
 
@@ -129,6 +130,7 @@ def warm_start_long_addition(hf_dir: str | Path, *, steps: int = 400, batch_size
     train_problems, test_problems = split_problems()
 
     def example() -> Example:
+        # no draw at all without a cold start: the format warm start's draws, and so its weights, stay as they were
         if correct_fraction and rng.random() < correct_fraction:
             a, b = rng.choice(train_problems)
             target = worked_response(a, b)
