@@ -44,29 +44,35 @@ sampling a step generates more samples than it trains on).
     python benchmarks/peer_trl.py                # 100 rollout steps per side (the issue's comparison)
     python benchmarks/peer_trl.py --quick        # smoke run: 3 steps per side (no 10-step window)
     python benchmarks/peer_trl.py --sides trl,ours  # a subset of trl, ours, ours_dp2, ours_dynamic, ours_overlap
-    python benchmarks/peer_trl.py --task long_addition --sides trl,ours --steps 3 --reward-target 0.05 --window 3
+    python benchmarks/peer_trl.py --task long_addition --sides trl,ours --steps 60 --repeats 2 --reward-target 0.22
                                                  # the long task (examples/tiny_long_cpu.yaml, ~74-token responses)
 
 --task long_addition matches examples/tiny_long_cpu.yaml instead (results under OUT/long_addition/): the dense
-tiny model warm-started on that format (`tiny-model --warm-start long_addition`), G=8 x 16 prompts, 4
-mini-batches, at most 128 new tokens, the final_answer reward (the TRL script's copy of it). There generation
-dominates a step, so the table's generated tokens/s (response tokens, EOS included, per second of generation:
-TRL's `generate()` alone, ours the servers' rollout/tokens_per_s) is the number to compare. --repeats N runs
-the sides N times interleaved, so that both see the same machine load.
+tiny model cold-started as that file says (`tiny-model --warm-start long_addition --cold-start 200`, TINY_MODEL_ARGS),
+G=8 x 16 prompts, 4 mini-batches, lr 3e-4, at most 128 new tokens, the final_answer reward (the TRL script's copy
+of it). There generation is most of a step, so the table's generated tokens/s (response tokens, EOS included, per
+second of generation: TRL's `generate()` alone, ours the servers' rollout/tokens_per_s) is the number to compare.
+--repeats N runs the sides N times interleaved, so that both see the same machine load.
 
-Measured 2026-12-07 01:41-01:48 UTC (`--task long_addition --sides trl,ours --steps 3 --reward-target 0.05
---window 3 --trl-share-packages`; one run per side, one after the other, on a machine loaded by other jobs:
-1-min load average 11-15 on 2 cores):
+Measured 2026-12-07 16:58-17:15 UTC (`--task long_addition --sides trl,ours --steps 60 --repeats 2 --reward-target
+0.22 --window 10 --trl-share-packages`; a quiet machine, 1-min load average 1.5-2.4 at the end of each side, from
+the side itself; examples/results/peer_trl/long_addition.md):
 
-| side | step s (median) | generation s | training s | start-up s | generated tokens/s | response tokens | reward (3 steps) |
-|---|---|---|---|---|---|---|---|
-| trl | 88.2 | 57.6 | 30.6 | 32.6 | 165 | 73.7 | 0.005 |
-| ours | 4.8 | 3.5 | 1.1 | 277.3 | 2680 | 73.7 | 0.000 |
+| side | step s (median) | generation s | training s | start-up s | generated tokens/s | response tokens | wall s to 10-step reward 0.22 (step) | final 10-step reward |
+|---|---|---|---|---|---|---|---|---|
+| trl #1 | 2.635 | 1.164 | 1.444 | 10.7 | 8307 | 74.4 | 107 (39) | 0.245 |
+| ours #1 | 3.166 | 1.969 | 1.038 | 74.2 | 4792 | 74.3 | 156 (26) | 0.289 |
+| trl #2 | 2.517 | 1.090 | 1.424 | 9.5 | 8904 | 74.4 | 110 (39) | 0.245 |
+| ours #2 | 3.209 | 2.008 | 1.104 | 52.8 | 4786 | 74.5 | 166 (33) | 0.262 |
 
-With ~74-token responses TRL's `generate()` (HF, one process, batch 128) makes 165 tokens/s; SGLang's
-batched decode with its KV cache 2680 (16x), and a whole step is 18x shorter. Neither side moves the reward
-off chance (~1%) in 3 steps, so the time to a fixed reward is not measured here; SGLang's start-up (277 s
-under this load) is what ours pays once.
+On this tiny model (2 layers, hidden 64) TRL's `generate()` makes 8,300-8,900 tokens/s and SGLang on CPU
+4,800: a decode step of 128 sequences costs next to nothing in arithmetic, so per-step scheduling overhead decides
+it, and SGLang's scheduler (a separate process, the batched-attention plugin, HTTP) costs more than HF's loop.
+Our step is 1.2x TRL's; our training part is shorter (1.0-1.1 s against 1.4 s). Both reach a 10-step mean reward
+of 0.22 (from ~0.16): TRL in 107-110 s (step 39; its two runs are the same trajectory, seeded), ours in 156-166 s
+(steps 26 and 33; SGLang's sampling is not seeded), of which 53-74 s are start-up (SGLang, Megatron set-up,
+conversion). An earlier 3-step measurement on a machine loaded 11-15 on 2 cores (TRL 88 s per step, 165 tokens/s)
+said the opposite; it measured the load, not the engines.
 
 Run with the project's .venv python (needs .venv-sglang, scripts/setup_sglang.sh); the first run makes the
 TRL environment (pip, ~1.5 GB; torch is pinned to the project's 2.13.0: pip takes a CPU wheel where its
@@ -213,12 +219,23 @@ def trl_env(venv: Path, pip_args: list[str], share_packages: bool = False) -> Pa
     return python
 
 
+TINY_MODEL_ARGS = {"arithmetic": ["--warm-start", "arithmetic"],
+                   "long_addition": ["--warm-start", "long_addition", "--cold-start", "200"]}
+"""`megatron-gspo tiny-model DIR ARGS` of each --task: the model its example config is run from
+(examples/tiny_long_cpu.yaml's header: the 200-step cold start, ~12% of held-out sums right when sampled)."""
+
+
 def tiny_model(hf_dir: Path, task: str) -> None:
-    """The demo's model for `task` in `hf_dir`, made with this project's CLI unless it is already there."""
-    if (hf_dir / "config.json").exists():
+    """The demo's model for `task` in `hf_dir`, made with this project's CLI unless one made with the same
+    arguments is already there (`hf_dir`/tiny_model_args.json records them)."""
+    args = TINY_MODEL_ARGS[task]
+    made = hf_dir / "tiny_model_args.json"
+    if (hf_dir / "config.json").exists() and made.exists() and json.loads(made.read_text()) == args:
         return
-    subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "tiny-model", str(hf_dir), "--warm-start", task],
-                   cwd=REPO, check=True)
+    if hf_dir.exists():
+        shutil.rmtree(hf_dir)
+    subprocess.run([sys.executable, "-m", "megatron_gspo.cli", "tiny-model", str(hf_dir), *args], cwd=REPO, check=True)
+    made.write_text(json.dumps(args))
 
 
 def run_trl(python: Path, config: TrainConfig, hf_dir: Path, out_dir: Path, threads: int, name: str = "trl"
@@ -404,7 +421,10 @@ def main() -> None:
             if side == "trl":
                 results.append(run_trl(python, config, hf_dir, work / f"trl{suffix}", a.trl_threads, name=name))
             else:
-                results.append(run_ours(name, config_path, rows[side], work / f"{side}{suffix}"))
+                run_dir = work / f"{side}{suffix}"  # its own run and checkpoint directory: a repeat must not resume
+                overrides = our_overrides(hf_dir, run_dir, steps, dynamic_sampling=side == "ours_dynamic",
+                                          extra=EXTRA.get(side, ()))
+                results.append(run_ours(name, config_path, overrides, run_dir))
             results[-1].target, results[-1].window = a.reward_target, a.window
             results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
     our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))
