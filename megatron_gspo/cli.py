@@ -253,14 +253,14 @@ def run_plot(args) -> int:
 def _tiny_model_parser(sub) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--warm-start", choices=("arithmetic", "long_addition", "tool_use"), help="supervised format "
-                   "warm-start for this task, with random answers: reward at chance (arithmetic: one random digit; "
-                   "long_addition: the worked lines with random digits; tool_use: the multiplication task's calculator "
+    p.add_argument("--warm-start", choices=("arithmetic", "long_addition", "long_addition_mixed", "tool_use"),
+                   help="supervised format warm-start for this task, with random answers: reward at chance (arithmetic: "
+                   "one random digit; long_addition, long_addition_mixed: the worked lines with random digits; tool_use: the multiplication task's calculator "
                    "calls with random operands, or a random answer; megatron_gspo/dev/warm_start.py). tool_use makes "
                    "the model with the tool demo's tokenizer (dev/tiny_model.py TinyQwen3Spec.tools)")
-    p.add_argument("--cold-start", type=int, metavar="STEPS", help="long_addition only: instead of the format warm "
-                   "start, STEPS supervised steps on the correct worked responses of training problems (the 200 test "
-                   "problems of make-data's default split are never shown), so the model starts above chance, as the "
+    p.add_argument("--cold-start", type=int, metavar="STEPS", help="long_addition and long_addition_mixed only: "
+                   "instead of the format warm start, STEPS supervised steps on the correct worked responses of "
+                   "training problems (the test problems of make-data's default split are never shown), so the model starts above chance, as the "
                    "GSPO paper's cold-started models do; on the tiny dense model 200 steps give ~12%% sampled held-out "
                    "accuracy, 250 ~58%% (benchmarks/moe_stability.py uses 250 on its MoE: ~33%%)")
     p.add_argument("--seed", type=int, default=1234)
@@ -271,9 +271,10 @@ def _tiny_model_parser(sub) -> None:
 
 
 def run_tiny_model(args) -> int:
-    if args.cold_start is not None and (args.warm_start != "long_addition" or args.cold_start < 1):
-        raise SystemExit(f"tiny-model: --cold-start {args.cold_start} needs --warm-start long_addition and a "
-                         "positive number of steps")
+    long_tasks = ("long_addition", "long_addition_mixed")
+    if args.cold_start is not None and (args.warm_start not in long_tasks or args.cold_start < 1):
+        raise SystemExit(f"tiny-model: --cold-start {args.cold_start} needs --warm-start long_addition (or "
+                         "long_addition_mixed) and a positive number of steps")
     from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
     from megatron_gspo.dev.warm_start import warm_start_format, warm_start_long_addition, warm_start_tool_use
 
@@ -282,15 +283,15 @@ def run_tiny_model(args) -> int:
     if args.warm_start == "arithmetic":
         digit_fraction = warm_start_format(out, seed=args.seed)
         print(f"format warm-start: {digit_fraction:.0%} of greedy answers are one digit")
-    elif args.warm_start == "long_addition" and args.cold_start is not None:
+    elif args.warm_start in long_tasks and args.cold_start is not None:
         format_rate, accuracy = warm_start_long_addition(out, seed=args.seed, correct_fraction=1.0,
-                                                         steps=args.cold_start)
+                                                         steps=args.cold_start, task=args.warm_start)
         print(f"cold start: {format_rate:.0%} of greedy responses to held-out problems state an answer, "
               f"{accuracy:.0%} right")
-    elif args.warm_start == "long_addition":
-        format_rate, accuracy = warm_start_long_addition(out, seed=args.seed)
+    elif args.warm_start in long_tasks:
+        format_rate, accuracy = warm_start_long_addition(out, seed=args.seed, task=args.warm_start)
         print(f"format warm-start: {format_rate:.0%} of greedy responses state an answer, {accuracy:.0%} right "
-              "(chance: 1%)")
+              f"(chance: {'1%' if args.warm_start == 'long_addition' else 'below 1%'})")
     elif args.warm_start == "tool_use":
         rates = warm_start_tool_use(out, seed=args.seed)
         print(f"format warm-start: with the tool in the prompt {rates['call_rate']:.0%} of sampled episodes call it, "
@@ -348,10 +349,12 @@ def run_config(args) -> int:
 
 def _make_data_parser(sub) -> None:
     p = sub.add_parser("make-data", help="write a demo task's prompt files (train.jsonl, test.jsonl)")
-    p.add_argument("task", choices=("arithmetic", "long_addition", "multiplication"),
+    p.add_argument("task", choices=("arithmetic", "long_addition", "long_addition_mixed", "multiplication"),
                    help="arithmetic: the 55 single-digit sums, 45 train / 10 test (reward exact_match); "
                         "long_addition: the 3240 two-digit sums a+b<=99, 3040 train / 200 test, answered "
                         "column by column in ~74 tokens (reward final_answer; megatron_gspo/data/long_addition.py); "
+                        "long_addition_mixed: 1000 sums of two 1- to 4-digit numbers, 920 train / 80 test (20 per "
+                        "width), worked the same way in 42 to 148 tokens (the response length spread); "
                         "multiplication: the 100 products of two two-digit numbers, 8 products (both orders) held "
                         "out to test.jsonl, for the calculator tool (reward final_answer; megatron_gspo/data/multiplication.py)")
     p.add_argument("out", help="output directory")
@@ -361,8 +364,10 @@ def _make_data_parser(sub) -> None:
 
 def run_make_data(args) -> int:
     from megatron_gspo.data import write_arithmetic_data, write_long_addition_data, write_multiplication_data
+    from megatron_gspo.data.long_addition import write_long_addition_mixed_data
 
     write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data,
+             "long_addition_mixed": write_long_addition_mixed_data,
              "multiplication": write_multiplication_data}[args.task]
     for path in write(args.out, seed=args.seed):
         print(path)

@@ -14,19 +14,52 @@ The problems are every (a, b) with two digits each and a two-digit sum (10 <= a,
 3240, split once by a seeded shuffle into disjoint train and test files. The answer always has two
 digits, so a model that knows only the format and writes random digits (the warm start,
 `random_worked_response`) is right 1 time in 100: low, but GSPO still sees a right answer now and then.
+
+Task long_addition_mixed spreads the response length: sums of two operands of the same width, 1 to 4 digits
+(MIXED_PROBLEMS: the 100 one-digit pairs 0..9 and 300 seeded pairs of each wider width), worked the same way
+with one line per column ("hundreds", "thousands" follow "tens"; a carry out of the last column is the
+answer's extra digit). A correct response is 42, 74, 111 or 148 tokens for widths 1, 2, 3, 4, so the ratio
+spreads by response length (loss/log_ratio_*_std/len_A-B) have several buckets to compare. Its test split
+holds out `test_per_width` problems of each width.
 """
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
-from megatron_gspo.data.splits import shuffled_split, write_shuffled_split
+from megatron_gspo.data.splits import shuffled_split, write_shuffled_split, write_split
 
 PROBLEMS = tuple((a, b) for a in range(10, 100) for b in range(10, 100 - a))
 """The 3240 (a, b) with 10 <= a, b and a + b <= 99."""
 
-COLUMNS = ("ones", "tens")
-"""The names of the worked lines, least significant digit first."""
+COLUMNS = ("ones", "tens", "hundreds", "thousands")
+"""The names of the worked lines, least significant digit first (long_addition uses the first two)."""
+
+MIXED_WIDTHS = (1, 2, 3, 4)
+MIXED_PER_WIDTH = 300
+"""long_addition_mixed: operand widths, and the problems drawn of each width wider than 1 (width 1 has 100)."""
+
+
+def _mixed_problems() -> tuple[tuple[int, int], ...]:
+    """Width 1: every (a, b) with 0 <= a, b <= 9; width w > 1: MIXED_PER_WIDTH distinct (a, b) of two w-digit
+    numbers, drawn by random.Random(w) (fixed: the problems are the task, the split seed only splits them)."""
+    problems = [(a, b) for a in range(10) for b in range(10)]
+    for width in MIXED_WIDTHS[1:]:
+        low, high = 10 ** (width - 1), 10 ** width
+        rng, drawn = random.Random(width), set()
+        while len(drawn) < MIXED_PER_WIDTH:
+            drawn.add((rng.randrange(low, high), rng.randrange(low, high)))
+        problems += sorted(drawn)
+    return tuple(problems)
+
+
+MIXED_PROBLEMS = _mixed_problems()
+"""long_addition_mixed's 1000 problems, by width (100 of width 1, MIXED_PER_WIDTH of each other)."""
+
+
+def mixed_width(a: int, b: int) -> int:
+    """The number of columns of "a+b" in long_addition_mixed: the wider operand's digits."""
+    return max(len(str(a)), len(str(b)))
 
 
 def column_line(name: str, x: int, y: int, carry_in: int, total: int) -> str:
@@ -39,12 +72,39 @@ def worked_response(a: int, b: int) -> str:
     """The correct response to "a+b": one line per column (COLUMNS), then "answer: a+b"."""
     if not (0 <= a and 0 <= b and a + b <= 99):
         raise ValueError(f"worked_response: need 0 <= a, b and a + b <= 99, got {a}+{b}")
+    return column_response(a, b, 2)
+
+
+def column_response(a: int, b: int, width: int) -> str:
+    """The correct worked response to "a+b" over `width` columns (operands zero-padded): one line per column,
+    least significant first, then "answer: a+b" (a carry out of the last column is the answer's extra digit)."""
+    if not (1 <= width <= len(COLUMNS) and 0 <= a < 10 ** width and 0 <= b < 10 ** width):
+        raise ValueError(f"column_response: need 0 <= a, b < 10**width and 1 <= width <= {len(COLUMNS)}, "
+                         f"got {a}+{b} over {width} columns")
     lines, carry = [], 0
-    for name, x, y in zip(COLUMNS, reversed(f"{a:02d}"), reversed(f"{b:02d}")):
+    for name, x, y in zip(COLUMNS, reversed(f"{a:0{width}d}"), reversed(f"{b:0{width}d}")):
         total = int(x) + int(y) + carry
         lines.append(column_line(name, int(x), int(y), carry, total))
         carry = total // 10
     return "\n".join(lines + [f"answer: {a + b}"])
+
+
+def mixed_worked_response(a: int, b: int) -> str:
+    """long_addition_mixed's correct response: column_response over mixed_width(a, b) columns."""
+    return column_response(a, b, mixed_width(a, b))
+
+
+def random_column_response(rng: random.Random, width: int) -> str:
+    """long_addition_mixed's format warm-start target over `width` columns: per column, uniform digits, a
+    uniform written digit and a uniform carry (the next line's carry-in); the answer is the last carry (when
+    1) and the written digits. Right about 1 time in 10**width (2 * 10**width with a carry out)."""
+    lines, written, carry_in = [], [], 0
+    for name in COLUMNS[:width]:
+        x, y, write, carry = rng.randrange(10), rng.randrange(10), rng.randrange(10), rng.randrange(2)
+        lines.append(column_line(name, x, y, carry_in, 10 * carry + write))
+        written.append(str(write))
+        carry_in = carry
+    return "\n".join(lines + [f"answer: {'1' if carry_in else ''}{''.join(reversed(written))}"])
 
 
 def random_worked_response(rng: random.Random) -> str:
@@ -80,3 +140,27 @@ def split_problems(*, seed: int = 0, test_problems: int = 200) -> tuple[list[tup
     """(train, test) problems exactly as write_long_addition_data writes them for the same arguments (the
     committed examples/data/long_addition/ is seed 0, 200 test problems)."""
     return shuffled_split(PROBLEMS, test_count=test_problems, seed=seed, what="test_problems")
+
+
+def split_mixed_problems(*, seed: int = 0, test_per_width: int = 20
+                         ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """long_addition_mixed's (train, test): `test_per_width` problems of each width held out (shuffled_split of
+    that width's problems), then each list shuffled by `seed`, so the first rows of test.jsonl mix widths."""
+    train, test = [], []
+    for width in MIXED_WIDTHS:
+        of_width = [p for p in MIXED_PROBLEMS if mixed_width(*p) == width]
+        rest, held = shuffled_split(of_width, test_count=test_per_width, seed=seed, what="test_per_width")
+        train += rest
+        test += held
+    rng = random.Random(seed)
+    rng.shuffle(train)
+    rng.shuffle(test)
+    return train, test
+
+
+def write_long_addition_mixed_data(out_dir: str | Path, *, seed: int = 0, test_per_width: int = 20
+                                   ) -> tuple[Path, Path]:
+    """long_addition_mixed's train.jsonl (1000 - 4 * test_per_width rows) and test.jsonl into `out_dir`
+    (split_mixed_problems; rows as long_addition_row; byte-identical for the same seed, written whole)."""
+    train, test = split_mixed_problems(seed=seed, test_per_width=test_per_width)
+    return write_split(out_dir, [long_addition_row(*p) for p in train], [long_addition_row(*p) for p in test])

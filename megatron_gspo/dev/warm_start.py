@@ -11,6 +11,7 @@ answers are random, so the reward starts at chance and everything above it is GS
   random arithmetic (`random_worked_response`) + EOS: afterwards it writes the two lines and an
   "answer: NN" line, right about 1 time in 100. Its cold start (correct_fraction, `tiny-model --cold-start`)
   is the exception: correct worked responses of training problems, so the reward starts above chance.
+  long_addition_mixed (1- to 4-digit operands) is warm- or cold-started the same way.
 - multiplication with the calculator tool (megatron_gspo/data/multiplication.py): with the tool in the prompt,
   three targets in four call it with *random* operands (from the task's set) and then repeat what it answered
   ("answer:R"), the others answer a random number at once; without the tool, a random number at once.
@@ -30,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_gspo.data.arithmetic import PAIRS
-from megatron_gspo.data.long_addition import PROBLEMS, random_worked_response, split_problems, worked_response
+from megatron_gspo.data import long_addition as la
 from megatron_gspo.rewards import Unparsed
 from megatron_gspo.rewards.verifiers import final_answer
 from megatron_gspo.samples import Sample
@@ -106,54 +107,77 @@ def warm_start_format(hf_dir: str | Path, *, steps: int = 150, batch_size: int =
     return sum(int(t) in digits for t in first.tolist()) / len(first)
 
 
+LONG_TASKS = {
+    # task: (problems of the format warm start, (train, test) split, correct response, random-format response,
+    #        greedy check's max new tokens)
+    "long_addition": (la.PROBLEMS, la.split_problems, la.worked_response,
+                      lambda rng, a, b: la.random_worked_response(rng), 96),
+    "long_addition_mixed": (la.MIXED_PROBLEMS, la.split_mixed_problems, la.mixed_worked_response,
+                            lambda rng, a, b: la.random_column_response(rng, la.mixed_width(a, b)), 192),
+}
+"""The worked-addition tasks warm_start_long_addition knows (data/long_addition.py)."""
+
+
 @_one_thread()
 def warm_start_long_addition(hf_dir: str | Path, *, steps: int = 400, batch_size: int = 32, lr: float = 6e-3,
-                             seed: int = 0, check_prompts: int = 64, correct_fraction: float = 0.0
-                             ) -> tuple[float, float]:
-    """Supervised format warm-start of the long_addition task, in place: "a+b=" -> the worked format with
-    random arithmetic (data/long_addition.py random_worked_response) + EOS, on random problems.
+                             seed: int = 0, check_prompts: int = 64, correct_fraction: float = 0.0,
+                             task: str = "long_addition") -> tuple[float, float]:
+    """Supervised format warm-start of a worked-addition task (LONG_TASKS), in place: "a+b=" -> the worked
+    format with random arithmetic (data/long_addition.py random_worked_response, random_column_response for
+    long_addition_mixed) + EOS, on random problems.
 
     correct_fraction > 0 makes it a cold start instead (the paper's starting point: a model that already
     solves some problems): that fraction of the targets are the correct worked responses of *training*
-    problems (split_problems(): the committed test.jsonl's 200 problems are never shown), the rest as above.
+    problems (the task's split with its default arguments: the committed test.jsonl's problems are never
+    shown), the rest as above.
 
     Returns (format rate, accuracy) of greedy responses to `check_prompts` held-out problems (the first of the
     test split): the fraction that states an answer the `final_answer` verifier reads, and the fraction right
-    (chance: ~0.01).
+    (chance: ~0.01 for long_addition).
     """
     if not 0.0 <= correct_fraction <= 1.0:
         raise ValueError(f"correct_fraction must be in [0, 1], got {correct_fraction}")
+    if task not in LONG_TASKS:
+        raise ValueError(f"task must be one of {sorted(LONG_TASKS)}, got {task!r}")
+    all_problems, split, correct_response, random_response, max_new_tokens = LONG_TASKS[task]
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    train_problems, test_problems = split_problems()
+    train_problems, test_problems = split()
 
     def example() -> Example:
         # no draw at all without a cold start: the format warm start's draws, and so its weights, stay as they were
         if correct_fraction and rng.random() < correct_fraction:
             a, b = rng.choice(train_problems)
-            target = worked_response(a, b)
+            target = correct_response(a, b)
         else:
-            a, b = rng.choice(PROBLEMS)
-            target = random_worked_response(rng)
+            a, b = rng.choice(all_problems)
+            target = random_response(rng, a, b)
         return tok(f"{a}+{b}=")["input_ids"], tok(target)["input_ids"] + [tok.eos_token_id]
 
     _fit(model, example, steps=steps, batch_size=batch_size, lr=lr, pad_id=tok.eos_token_id)
     model.save_pretrained(hf_dir)
     problems = test_problems[:check_prompts]
-    texts = greedy_responses(model, tok, [f"{a}+{b}=" for a, b in problems], max_new_tokens=96)
+    texts = greedy_responses(model, tok, [f"{a}+{b}=" for a, b in problems], max_new_tokens=max_new_tokens)
     scores = [_score(text, str(a + b)) for text, (a, b) in zip(texts, problems)]
     return (sum(s is not None for s in scores) / len(scores), sum(s == 1.0 for s in scores) / len(scores))
 
 
 def greedy_responses(model, tok, prompts: list[str], *, max_new_tokens: int) -> list[str]:
-    """The greedy response text of each prompt (prompts of equal token length: no padding)."""
-    ids = torch.tensor([tok(p)["input_ids"] for p in prompts])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-    return tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    """The greedy response text of each prompt, in order. Prompts run in batches of equal token length (no
+    padding: the same batch as one call per length)."""
+    ids = [tok(p)["input_ids"] for p in prompts]
+    texts: list[str] = [""] * len(prompts)
+    for length in sorted({len(i) for i in ids}):
+        rows = [k for k, i in enumerate(ids) if len(i) == length]
+        batch = torch.tensor([ids[k] for k in rows])
+        with torch.no_grad():
+            out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        for k, text in zip(rows, tok.batch_decode(out[:, length:], skip_special_tokens=True)):
+            texts[k] = text
+    return texts
 
 
 def _score(text: str, answer: str) -> float | None:

@@ -1,5 +1,6 @@
 """The long-response task (megatron_gspo/data/long_addition.py): its problems and files, the worked responses'
-length with the tiny tokenizer, the warm start's random format, and `megatron-gspo make-data long_addition`."""
+length with the tiny tokenizer, the warm start's random format, and `megatron-gspo make-data long_addition`; the
+same for long_addition_mixed (1- to 4-digit operands)."""
 import json
 import random
 from collections import Counter
@@ -9,7 +10,9 @@ import pytest
 
 from megatron_gspo.cli import main as cli_main
 from megatron_gspo.config import load_config
-from megatron_gspo.data.long_addition import (PROBLEMS, random_worked_response, split_problems, worked_response,
+from megatron_gspo.data.long_addition import (MIXED_PROBLEMS, PROBLEMS, column_response, mixed_width,
+                                              mixed_worked_response, random_column_response, random_worked_response,
+                                              split_mixed_problems, split_problems, worked_response,
                                               write_long_addition_data)
 from megatron_gspo.dev.tiny_model import make_tiny_tokenizer
 from megatron_gspo.rewards.verifiers import final_answer
@@ -129,3 +132,65 @@ def test_example_config_trains_on_the_task_with_room_for_its_responses():
     assert [REPO / p for p in config.data.train] == [EXAMPLE_DATA / "train.jsonl"]
     assert REPO / config.eval.datasets["held_out"] == EXAMPLE_DATA / "test.jsonl"
     assert config.reward.fn == "final_answer" and config.sampling.max_new_tokens > 74   # a right response: 74
+
+
+MIXED_DATA = REPO / "examples" / "data" / "long_addition_mixed"
+
+
+def test_mixed_problems_are_sums_of_equal_width_operands_one_to_four_digits():
+    widths = Counter(mixed_width(a, b) for a, b in MIXED_PROBLEMS)
+    assert len(set(MIXED_PROBLEMS)) == len(MIXED_PROBLEMS) == 1000 and widths == {1: 100, 2: 300, 3: 300, 4: 300}
+    assert all(len(str(a)) == len(str(b)) for a, b in MIXED_PROBLEMS)
+
+
+def test_column_response_by_hand_carries_out_of_the_last_column():
+    assert mixed_worked_response(5, 7) == "ones: 5+7+0=12, write 2, carry 1\nanswer: 12"
+    assert mixed_worked_response(987, 456) == ("ones: 7+6+0=13, write 3, carry 1\n"
+                                               "tens: 8+5+1=14, write 4, carry 1\n"
+                                               "hundreds: 9+4+1=14, write 4, carry 1\n"
+                                               "answer: 1443")
+    assert column_response(37, 45, 2) == worked_response(37, 45)
+    with pytest.raises(ValueError, match="over 2 columns"):
+        column_response(123, 4, 2)
+    with pytest.raises(ValueError, match="width <= 4"):
+        column_response(1, 2, 5)
+
+
+def test_mixed_responses_span_four_length_buckets_with_the_tiny_tokenizer():
+    # 42, 74, 111, 148 tokens (EOS included) for widths 1-4: the buckets len_32-63 .. len_128-191
+    tok = make_tiny_tokenizer()
+    lengths: dict[int, set] = {}
+    for a, b in MIXED_PROBLEMS:
+        lengths.setdefault(mixed_width(a, b), set()).add(len(tok(mixed_worked_response(a, b))["input_ids"]) + 1)
+    assert {w: (min(v), max(v)) for w, v in lengths.items()} == {1: (42, 42), 2: (74, 75), 3: (110, 111),
+                                                                   4: (148, 149)}
+
+
+def test_mixed_split_holds_out_each_width_and_matches_the_committed_files(tmp_path):
+    train, test = split_mixed_problems()
+    assert Counter(mixed_width(*p) for p in test) == {1: 20, 2: 20, 3: 20, 4: 20}
+    assert not set(train) & set(test) and set(train) | set(test) == set(MIXED_PROBLEMS)
+    assert len({mixed_width(*p) for p in test[:8]}) > 1                    # eval's first prompts mix widths
+    assert train == [operands(r) for r in rows(MIXED_DATA / "train.jsonl")]
+    assert test == [operands(r) for r in rows(MIXED_DATA / "test.jsonl")]
+    assert cli_main(["make-data", "long_addition_mixed", str(tmp_path)]) == 0
+    for name in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / name).read_bytes() == (MIXED_DATA / name).read_bytes()
+    for row in rows(MIXED_DATA / "test.jsonl"):
+        assert final_answer(sample(mixed_worked_response(*operands(row)), row["answer"])) == 1.0
+    with pytest.raises(ValueError, match="test_per_width must be in"):
+        split_mixed_problems(test_per_width=100)
+
+
+def test_random_column_responses_keep_the_format_and_answer_at_chance():
+    rng = random.Random(0)
+    for width in (1, 2, 3, 4):
+        for _ in range(200):
+            lines = random_column_response(rng, width).split("\n")
+            assert len(lines) == width + 1 and lines[-1].startswith("answer: ")
+            written = "".join(line.split("write ")[1][0] for line in reversed(lines[:-1]))
+            carry = lines[-2].rsplit("carry ", 1)[1]
+            assert lines[-1] == f"answer: {'1' if carry == '1' else ''}{written}"
+    texts = [random_column_response(rng, 1) for _ in range(5000)]
+    right = sum(final_answer(sample(t, str(a + b))) for t, (a, b) in zip(texts, random.Random(2).choices(MIXED_PROBLEMS[:100], k=5000)))
+    assert 0.02 < right / 5000 < 0.08                       # width 1: 1 in 20 (written digit 1/10, carry 1/2)

@@ -1,4 +1,5 @@
-"""The long_addition format warm start (megatron_gspo/dev/warm_start.py) on the tiny dense and MoE models."""
+"""The long_addition (and long_addition_mixed) format warm start and cold start (megatron_gspo/dev/warm_start.py)
+on the tiny dense and MoE models."""
 import hashlib
 import random
 
@@ -7,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_gspo.cli import main as cli_main
-from megatron_gspo.data.long_addition import PROBLEMS, split_problems, worked_response
+from megatron_gspo.data.long_addition import (PROBLEMS, mixed_width, mixed_worked_response, split_mixed_problems,
+                                              split_problems, worked_response)
 from megatron_gspo.dev import warm_start
 from megatron_gspo.dev.tiny_model import TinyQwen3Spec, make_tiny_qwen3
 from megatron_gspo.dev.warm_start import _score, greedy_responses, warm_start_long_addition
@@ -66,13 +68,15 @@ def drawn_examples(monkeypatch, hf, count, **kwargs):
     return drawn
 
 
+def problem(prompt):
+    """(a, b) of a drawn prompt "a+b="."""
+    a, b = prompt.rstrip("=").split("+")
+    return int(a), int(b)
+
+
 def test_cold_start_shows_correct_responses_of_training_problems_only(tmp_path, monkeypatch):
     hf = make_tiny_qwen3(tmp_path / "hf")
     train, test = map(set, split_problems())
-
-    def problem(prompt):
-        a, b = prompt.rstrip("=").split("+")
-        return int(a), int(b)
 
     cold = drawn_examples(monkeypatch, hf, 400, correct_fraction=1.0)
     assert all(problem(p) in train and t == worked_response(*problem(p)) for p, t in cold)
@@ -85,6 +89,28 @@ def test_cold_start_shows_correct_responses_of_training_problems_only(tmp_path, 
     assert any(problem(p) in test for p, _ in fmt)
     with pytest.raises(ValueError, match="correct_fraction must be in"):
         warm_start_long_addition(hf, correct_fraction=1.5)
+
+
+def test_mixed_cold_start_shows_training_problems_of_every_width_and_checks_held_out_ones(tmp_path, monkeypatch):
+    # long_addition_mixed: the cold start draws correct responses of its own training split (all four widths),
+    # the format warm start random-digit responses of the right width; the greedy check runs prompts of
+    # different token lengths (one batch per length) and keeps their order
+    hf = make_tiny_qwen3(tmp_path / "hf")
+    train, test = map(set, split_mixed_problems())
+
+    cold = drawn_examples(monkeypatch, hf, 400, correct_fraction=1.0, task="long_addition_mixed")
+    assert all(problem(p) in train and t == mixed_worked_response(*problem(p)) for p, t in cold)
+    assert {mixed_width(*problem(p)) for p, _ in cold} == {1, 2, 3, 4}
+    fmt = drawn_examples(monkeypatch, hf, 200, task="long_addition_mixed")
+    assert all(t.count("\n") == mixed_width(*problem(p)) for p, t in fmt)       # one line per column + answer
+    with pytest.raises(ValueError, match="task must be one of"):
+        warm_start_long_addition(hf, task="long_subtraction")
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    prompts = ["7+5=", "1234+5678=", "37+45=", "8+1="]
+    assert len({len(tok(p)["input_ids"]) for p in prompts}) > 1
+    together = greedy_responses(model, tok, prompts, max_new_tokens=8)
+    assert together == [greedy_responses(model, tok, [p], max_new_tokens=8)[0] for p in prompts]
 
 
 def test_tiny_model_cli_refuses_a_cold_start_without_its_task(tmp_path):
