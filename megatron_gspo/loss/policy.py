@@ -30,9 +30,11 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 # How each raw metric combines across micro-batches and ranks (everything else is summed).
 METRIC_REDUCTIONS: dict[str, str] = {"ratio_min": "min", "ratio_max": "max"}
 
-LENGTH_BUCKETS: tuple[tuple[int, int | None], ...] = ((1, 16), (16, 64), (64, 256), (256, None))
+LENGTH_BUCKETS: tuple[tuple[int, int | None], ...] = (
+    (1, 16), (16, 32), (32, 64), (64, 96), (96, 128), (128, 192), (192, 256), (256, 512), (512, None))
 """Response-length buckets [low, high) of |y_i| for the ratio spreads by length (GSPO's case: token ratios
-get noisier as responses grow, the sequence ratio averages them)."""
+get noisier as responses grow, the sequence ratio averages them). Steps of 2x up to 64 and of 1.5x / 1.33x
+from there, so that the long_addition_mixed task's responses (42, 74, 111, 148 tokens) fall in four buckets."""
 
 
 def _bucket_name(low: int, high: int | None) -> str:
@@ -279,12 +281,13 @@ def _metrics(seqs: _Sequences, ratio_S, clipped_S, clipped_T) -> dict[str, torch
         "log_ratio_token_sq_sum": torch.where(seqs.mask_T, log_w.square(), 0).sum().double(),
         "log_ratio_seq_sum": torch.where(own, log_s, 0).sum().double(),
         "log_ratio_seq_sq_sum": torch.where(own, log_s.square(), 0).sum().double(),
-        **_spreads_by_length(seqs, own, log_w, log_s),
+        **_spreads_by_length(seqs, own, log_w, log_s, clipped_T),
     }
 
 
-def _spreads_by_length(seqs: _Sequences, own, log_w, log_s) -> dict[str, torch.Tensor]:
-    """The same sums per response-length bucket (LENGTH_BUCKETS; |y_i| over all CP ranks)."""
+def _spreads_by_length(seqs: _Sequences, own, log_w, log_s, clipped_T) -> dict[str, torch.Tensor]:
+    """The same sums per response-length bucket (LENGTH_BUCKETS; |y_i| over all CP ranks), and the clipped
+    tokens."""
     out = {}
     for low, high in LENGTH_BUCKETS:
         in_S = (seqs.count_S >= low) & ((seqs.count_S < high) if high is not None else True)
@@ -293,7 +296,8 @@ def _spreads_by_length(seqs: _Sequences, own, log_w, log_s) -> dict[str, torch.T
         out.update({f"{name}_seqs": seq_in.sum().double(), f"{name}_log_s_sum": torch.where(seq_in, log_s, 0).sum(),
                     f"{name}_log_s_sq_sum": torch.where(seq_in, log_s.square(), 0).sum(),
                     f"{name}_tokens": tok_in.sum().double(), f"{name}_log_w_sum": torch.where(tok_in, log_w, 0).sum(),
-                    f"{name}_log_w_sq_sum": torch.where(tok_in, log_w.square(), 0).sum()})
+                    f"{name}_log_w_sq_sum": torch.where(tok_in, log_w.square(), 0).sum(),
+                    f"{name}_tokens_clipped": (clipped_T & tok_in).sum().double()})
     return out
 
 
@@ -321,14 +325,16 @@ def summarize_metrics(raw: dict[str, torch.Tensor | float]) -> dict[str, float]:
 
 
 def _bucket_spreads(raw, low: int, high: int | None) -> dict[str, float]:
-    """loss/log_ratio_{token,seq}_std/len_A-B and the bucket's sequence count, where it has sequences."""
+    """loss/log_ratio_{token,seq}_std/len_A-B, loss/clipped_fraction_token/len_A-B and the bucket's sequence
+    count, where it has sequences."""
     name = _bucket_name(low, high)
     if f"{name}_seqs" not in raw or float(raw[f"{name}_seqs"]) < 1:
         return {}
     get = lambda k: float(raw[f"{name}_{k}"])  # noqa: E731
     return {f"loss/sequences/{name}": get("seqs"),
             f"loss/log_ratio_token_std/{name}": _std(get("log_w_sum"), get("log_w_sq_sum"), get("tokens")),
-            f"loss/log_ratio_seq_std/{name}": _std(get("log_s_sum"), get("log_s_sq_sum"), get("seqs"))}
+            f"loss/log_ratio_seq_std/{name}": _std(get("log_s_sum"), get("log_s_sq_sum"), get("seqs")),
+            f"loss/clipped_fraction_token/{name}": get("tokens_clipped") / max(get("tokens"), 1.0)}
 
 
 def _std(total: float, sq_total: float, count: float) -> float:

@@ -596,10 +596,17 @@ def test_ratio_spreads_by_response_length_bucket():
     _, _, raw = policy_loss(logp, old, torch.tensor([1.0, -1.0, 0.5]), torch.ones_like(logp), cu)
     s = summarize_metrics(reduce_metrics([raw]))
     short = torch.tensor([0.1, -0.1, 0.3, 0.1], dtype=torch.float64)
-    assert s["loss/sequences/len_1-15"] == 2 and s["loss/sequences/len_16-63"] == 1
+    assert s["loss/sequences/len_1-15"] == 2 and s["loss/sequences/len_16-31"] == 1
     assert s["loss/log_ratio_token_std/len_1-15"] == pytest.approx(short.std(unbiased=False).item(), rel=1e-5)
     assert s["loss/log_ratio_seq_std/len_1-15"] == pytest.approx(0.1, rel=1e-5)       # log s = 0.0 and 0.2
-    assert s["loss/log_ratio_seq_std/len_16-63"] == 0.0                               # one sequence
-    assert s["loss/log_ratio_token_std/len_16-63"] == pytest.approx(
+    assert s["loss/log_ratio_seq_std/len_16-31"] == 0.0                               # one sequence
+    assert s["loss/log_ratio_token_std/len_16-31"] == pytest.approx(
         torch.tensor(log_w[2], dtype=torch.float64).std(unbiased=False).item(), rel=1e-5)
-    assert "loss/sequences/len_64-255" not in s                                        # an empty bucket: no entry
+    assert "loss/sequences/len_32-63" not in s                                         # an empty bucket: no entry
+    # GRPO's band 0.2/0.27 with A > 0: of the short responses' tokens only exp(0.3) = 1.35 is clipped (1 of 4); the
+    # long response's ratios exp(0.01 t) would pass 1.27 at t >= 24 (it has 20 tokens) -> 0 of 20
+    _, _, raw = policy_loss(logp, old, torch.tensor([1.0, 1.0, 0.5]), torch.ones_like(logp), cu, algorithm="grpo")
+    g = summarize_metrics(reduce_metrics([raw]))
+    assert g["loss/clipped_fraction_token/len_1-15"] == pytest.approx(0.25)
+    assert g["loss/clipped_fraction_token/len_16-31"] == 0.0
+    assert g["loss/clipped_fraction_token"] == pytest.approx(1 / 24)
