@@ -5,6 +5,8 @@
     python benchmarks/moe_stability.py --preset smoke          # 2 arms x 1 seed x 2 steps (the test's)
     python benchmarks/moe_stability.py --no-train              # summarize the runs already in OUT
     python benchmarks/moe_stability.py --only-model            # make OUT/hf (the cold start) and stop
+    python benchmarks/moe_stability.py --task long_addition_mixed --results examples/paper_moe/results_mixed
+                                                               # responses of 42-148 tokens: the trend with length
 
 The paper: on Qwen3-30B-A3B, ~10% of the experts activated for the same response change after each
 gradient update, so GRPO's token ratios w_t compare different networks and GRPO needs Routing Replay to
@@ -28,6 +30,11 @@ One SGLang server (started with --enable-return-routed-experts, which the R3 arm
 not ask for) serves every run: before each run it reloads the initial weights from OUT/hf as weight
 version 0 (/update_weights_from_disk, KV cache flushed), so each run starts where a freshly launched server
 would; --server-per-run launches one per run instead (~100 s each on CPU).
+
+--task long_addition_mixed runs the same arms on sums of two 1- to 4-digit numbers (TASKS: correct responses of
+42, 74, 111 and 148 tokens, 192 new tokens allowed; its own cold start in OUT/hf, default OUT runs/paper_moe_mixed),
+so that the ratio spreads by response length span four buckets instead of one (measured: docs/benchmarks.md,
+"What grows with response length"; examples/paper_moe/results_mixed/).
 
 Runs go seed by seed (every arm of seed 1, then seed 2, ...), so a budget cut short still compares arms;
 a finished run (its run dir has wall_s) is not run again, so `--seeds 3` after `--seeds 2` adds seed 3.
@@ -65,6 +72,7 @@ PRESETS = {"smoke": {"arms": "gspo,grpo_r3", "seeds": 1, "steps": 2,
                      "overrides": ["eval.max_prompts=8", "eval.samples_per_prompt=2", "gspo.prompts_per_step=4"]}}
 EVAL_KEY = re.compile(r"^eval/held_out/mean@(\d+)$")
 TOKEN_STD, SEQ_STD, SEQS = "loss/log_ratio_token_std/", "loss/log_ratio_seq_std/", "loss/sequences/"
+CLIPPED = "loss/clipped_fraction_token/"
 
 COLLAPSE_DROP = 0.2
 COLLAPSE_WINDOW = 3
@@ -80,8 +88,24 @@ COLD_START_STEPS = 250
 (seed 1234) 200 steps leave it at 3.5% sampled held-out accuracy, 250 at 32.5%, 300 at 56% (T=1, the 200 test
 problems); from the format warm start (1%) no arm learned anything in the budgets that fit here."""
 
+COLD_START_STEPS_MIXED = 800
+"""The same for --task long_addition_mixed. On the tiny MoE (seed 1234), held-out (20 problems per width, 4
+samples each at T=1 / greedy): 300 steps: 7.5% / 10% of width 1, nothing wider; 800 steps: width 1 68% / 75%,
+width 2 29% / 40%, width 3 1% / 5%, width 4 0% / 0% (24% / 30% overall). Wider sums stay mostly wrong: their
+groups are mostly all-zero (no signal), but their ratios are measured all the same."""
 
-def make_model(out: Path, seed: int) -> Path:
+MIXED = "examples/data/long_addition_mixed"
+TASKS: dict[str, dict] = {
+    "long_addition": {"cold_start_steps": COLD_START_STEPS, "check_prompts": 200, "overrides": []},
+    "long_addition_mixed": {
+        "cold_start_steps": COLD_START_STEPS_MIXED, "check_prompts": 80,
+        "overrides": [f"data.train=[{MIXED}/train.jsonl]", f"eval.datasets={{held_out: {MIXED}/test.jsonl}}",
+                      "sampling.max_new_tokens=192"]},
+}
+"""--task: the cold start's steps and the config overrides of each task (long_addition: the config as it is)."""
+
+
+def make_model(out: Path, seed: int, task: str = "long_addition") -> Path:
     """OUT/hf: the tiny deep Qwen3-MoE, cold-started on long_addition: COLD_START_STEPS supervised steps on the
     correct worked responses of training problems (never the test split), the paper's starting point (a model
     that already solves some problems; here about a third of the held-out ones when sampled)."""
@@ -92,10 +116,11 @@ def make_model(out: Path, seed: int) -> Path:
     if not (hf / "config.json").is_file():
         spec = TinyQwen3Spec(seed=seed, num_layers=8, num_experts=8, num_experts_per_tok=2)
         make_tiny_qwen3(hf, spec)
-        fmt, acc = warm_start_long_addition(hf, seed=seed, correct_fraction=1.0, steps=COLD_START_STEPS,
-                                            check_prompts=200)
-        print(f"cold start: {fmt:.0%} of greedy responses to the 200 held-out problems state an answer, "
-              f"{acc:.1%} right", flush=True)
+        steps, check = TASKS[task]["cold_start_steps"], TASKS[task]["check_prompts"]
+        fmt, acc = warm_start_long_addition(hf, seed=seed, correct_fraction=1.0, steps=steps, check_prompts=check,
+                                            task=task)
+        print(f"cold start ({task}, {steps} steps): {fmt:.0%} of greedy responses to the {check} held-out problems "
+              f"state an answer, {acc:.1%} right", flush=True)
     return hf
 
 
@@ -207,6 +232,7 @@ def summarize_run(run_dir: Path) -> dict:
         "log_s_std": _fmean(r.get("loss/log_ratio_seq_std") for r in later),
         "by_length": {b: {"log_w_std": _weighted(later, TOKEN_STD + b, SEQS + b),
                           "log_s_std": _weighted(later, SEQ_STD + b, SEQS + b),
+                          "clipped_token": _weighted(later, CLIPPED + b, SEQS + b),
                           "sequences": sum(r.get(SEQS + b, 0) for r in later)} for b in buckets},
         # the recompute's (pi_old's) log-probs against the sampler's, |delta| per token, once per rollout step
         "gap_token": _fmean(gap_token),
@@ -240,7 +266,7 @@ def summarize_arm(arm: str, runs: dict[int, dict]) -> dict:
            **{key: spread(r[key] for r in runs.values()) for key in SCALARS}}
     buckets = sorted({b for r in runs.values() for b in r["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
     out["by_length"] = {b: {k: spread(r["by_length"].get(b, {}).get(k) for r in runs.values())
-                            for k in ("log_w_std", "log_s_std", "sequences")} for b in buckets}
+                            for k in ("log_w_std", "log_s_std", "clipped_token", "sequences")} for b in buckets}
     length = min(len(r["rewards"]) for r in runs.values())
     out["reward_curve"] = [spread(r["rewards"][i] for r in runs.values()) for i in range(length)]
     out["runs"] = {str(s): runs[s] for s in sorted(runs)}
@@ -279,21 +305,21 @@ def table(arms: dict[str, dict]) -> str:
 
 
 def length_table(arms: dict[str, dict]) -> str:
-    buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
-    head = "| arm | " + " | ".join(f"{b}: std log w_t / std log s_i (sequences)" for b in buckets) + " |"
-    rule = "|" + "---|" * (len(buckets) + 1)
-    rows = []
+    """One row per arm and response-length bucket: sequences per run, std log w_t, std log s_i, their ratio
+    (for independent token ratios it would grow as sqrt(length)) and the clipped fraction of the bucket's tokens
+    (over mini-batches 2..K; a run without the bucket-wise metric shows -)."""
+    head = ("| arm | response length | sequences per run | std log w_t | std log s_i | std log w_t / std log s_i "
+            "| clipped tokens (mini-batches 2..K) |")
+    rows = [head, "|---|---|---|---|---|---|---|"]
     for a in arms.values():
-        cells = []
-        for b in buckets:
-            c = a["by_length"].get(b)
-            if c is None or c["log_w_std"]["mean"] is None:
-                cells.append("-")
+        for b, c in sorted(a["by_length"].items(), key=lambda kv: int(re.match(r"len_(\d+)", kv[0]).group(1))):
+            if c["log_w_std"]["mean"] is None:
                 continue
-            cells.append(f"{_fmt(c['log_w_std'], '{:.4f}')} / {_fmt(c['log_s_std'], '{:.4f}')} "
-                         f"({c['sequences']['mean']:.0f})")
-        rows.append(f"| {a['arm']} | " + " | ".join(cells) + " |")
-    return "\n".join([head, rule, *rows])
+            w, s_ = c["log_w_std"]["mean"], c["log_s_std"]["mean"]
+            rows.append(f"| {a['arm']} | {b[len('len_'):]} | {c['sequences']['mean']:.0f} | {_fmt(c['log_w_std'], '{:.4f}')} | "
+                        f"{_fmt(c['log_s_std'], '{:.4f}')} | {f'{w / s_:.1f}' if s_ else '-'} | "
+                        f"{_fmt(c.get('clipped_token', spread([])), '{:.2e}')} |")
+    return "\n".join(rows)
 
 
 def plot(arms: dict[str, dict], path: Path) -> None:
@@ -304,7 +330,7 @@ def plot(arms: dict[str, dict], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no figure")
         return
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7.5))
     names = list(arms)
     all_buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
     for i, (name, a) in enumerate(arms.items()):
@@ -336,6 +362,19 @@ def plot(arms: dict[str, dict], path: Path) -> None:
             axes[1, 1].bar(xpos, c["log_s_std"]["mean"], color="k", alpha=0.35, width=0.5,
                            label="log s_i (black)" if (i == 0 and not labelled) else None)
             labelled = True
+        pts = [(all_buckets.index(b), c["clipped_token"]["mean"]) for b, c in a["by_length"].items()
+               if c.get("clipped_token", {}).get("mean") is not None]
+        if pts:
+            axes[0, 3].plot(*zip(*sorted(pts)), color=color, marker="o", label=name)
+        ratio = [(all_buckets.index(b), c["log_w_std"]["mean"] / c["log_s_std"]["mean"]) for b, c in a["by_length"].items()
+                 if c["log_w_std"]["mean"] is not None and c["log_s_std"]["mean"]]
+        if ratio:
+            axes[1, 3].plot(*zip(*sorted(ratio)), color=color, marker="o", label=name)
+    for ax in (axes[0, 3], axes[1, 3]):
+        ax.set_xticks(range(len(all_buckets)), all_buckets)
+    axes[0, 3].set(title="clipped tokens by response length (mini-batches 2-K)", xlabel="length bucket")
+    axes[0, 3].set_yscale("symlog", linthresh=1e-4)
+    axes[1, 3].set(title="std log w_t / std log s_i by response length", xlabel="length bucket")
     axes[1, 1].set_xticks([j * (len(names) + 1) + (len(names) - 1) / 2 for j in range(len(all_buckets))], all_buckets)
     axes[0, 0].set(title="train reward (mean over seeds, min..max shaded)", xlabel="rollout step")
     axes[0, 1].set(title="held-out mean@k (each seed)", xlabel="rollout step")
@@ -355,7 +394,7 @@ def plot(arms: dict[str, dict], path: Path) -> None:
 
 def report(arms: dict[str, dict], meta: dict) -> str:
     k = next((r["eval_k"] for a in arms.values() for r in a["runs"].values() if r["eval_k"]), "?")
-    lines = [f"# The paper's MoE comparison on a CPU: {meta['budget']}", "",
+    lines = [f"# The paper's MoE comparison on a CPU: {meta['budget']}, task {meta.get('task', 'long_addition')}", "",
              f"Config examples/paper_moe/config.yaml (+ {' '.join(meta['overrides']) or 'no overrides'}); initial "
              f"weights {meta['weights']} (sha256 prefix of OUT/hf), the same for every arm and seed. Generated by "
              "benchmarks/moe_stability.py from the runs' metrics.jsonl; mean ± sample std over seeds.", "",
@@ -399,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N per arm")
     p.add_argument("--steps", type=int, default=16, help="rollout steps per run (the fixed budget)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="smoke: 2 arms x 1 seed x 2 small steps")
-    p.add_argument("--out", default=str(REPO / "runs" / "paper_moe"), help="model (OUT/hf) and runs (OUT/runs)")
+    p.add_argument("--task", choices=sorted(TASKS), default="long_addition",
+                   help="long_addition: ~74-token responses; long_addition_mixed: 42-148 tokens (the length trend)")
+    p.add_argument("--out", help="model (OUT/hf) and runs (OUT/runs); default runs/paper_moe, or runs/paper_moe_mixed "
+                   "for --task long_addition_mixed")
     p.add_argument("--results", help="where results.md/.json/.png go (default: OUT/results)")
     p.add_argument("--model-seed", type=int, default=1234, help="seed of OUT/hf when it is made")
     p.add_argument("--server-per-run", action="store_true", help="each run launches its own SGLang server")
@@ -407,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only-model", action="store_true", help="make OUT/hf and stop")
     p.add_argument("overrides", nargs="*", help="config overrides for every run (key.sub=value)")
     args = p.parse_args(argv)
-    overrides = list(args.overrides)
+    overrides = TASKS[args.task]["overrides"] + list(args.overrides)
     if args.preset:
         preset = PRESETS[args.preset]
         args.arms, args.seeds, args.steps = preset["arms"], preset["seeds"], preset["steps"]
@@ -417,9 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     seeds = list(range(1, args.seeds + 1))
-    out = Path(args.out).resolve()
+    out = Path(args.out or REPO / "runs" / ("paper_moe" if args.task == "long_addition" else "paper_moe_mixed")).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    hf = make_model(out, args.model_seed)
+    hf = make_model(out, args.model_seed, args.task)
     if args.only_model:
         print(hf)
         return 0
@@ -442,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = sorted({run["steps"] for r in results.values() for run in r["runs"].values()})
     budget = (f"{len(results)} arms x {'/'.join(str(n) for n in sorted(set(ran.values())))} seeds x "
               f"{'/'.join(map(str, steps))} rollout steps")
-    meta = {"budget": budget, "overrides": overrides, "weights": weights_digest(hf),
+    meta = {"budget": budget, "task": args.task, "overrides": overrides, "weights": weights_digest(hf),
             "wall_s": None if args.no_train else wall, "collapse": COLLAPSE_DEFINITION}
     target = Path(args.results) if args.results else out / "results"
     target.mkdir(parents=True, exist_ok=True)

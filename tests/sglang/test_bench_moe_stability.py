@@ -35,6 +35,7 @@ def test_smoke_preset(tmp_path):
         # pi_old recomputed at the weights that sampled, float32 both sides: the gap is rounding
         assert math.isfinite(run["gap_token"]) and run["gap_token"] < 1e-3, (name, run["gap_token"])
         assert run["by_length"], name
+        assert all(0.0 <= c["clipped_token"] <= 1.0 for c in run["by_length"].values()), name   # per-length clipping
     # the shared server is reset to the initial weights (version "0") before each run: the second run's first
     # batch was sampled by them, not by the first run's last weights (version "2")
     for name in ("gspo", "grpo_r3"):

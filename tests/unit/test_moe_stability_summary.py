@@ -76,3 +76,14 @@ def test_arm_mean_and_spread_over_seeds(tmp_path):
     assert "| gspo | 2 |" in bench.table({"gspo": arm})
     assert bench.ratios({"gspo": arm, "grpo": {**arm, "clipped_token": {"mean": 0.002}}}) == [
         "- clipped tokens gspo / grpo: 100x"]
+
+
+def test_mixed_task_overrides_point_the_comparison_at_its_files_with_room_for_its_responses():
+    from megatron_gspo.config import load_config
+
+    config = load_config(bench.CONFIG, bench.TASKS["long_addition_mixed"]["overrides"])
+    mixed = REPO / "examples" / "data" / "long_addition_mixed"
+    assert [REPO / p for p in config.data.train] == [mixed / "train.jsonl"]
+    assert REPO / config.eval.datasets["held_out"] == mixed / "test.jsonl"
+    assert config.sampling.max_new_tokens > 149             # the longest right response (4 columns): 149 tokens
+    assert load_config(bench.CONFIG, bench.TASKS["long_addition"]["overrides"]).data.train != config.data.train
