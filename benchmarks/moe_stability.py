@@ -73,6 +73,9 @@ PRESETS = {"smoke": {"arms": "gspo,grpo_r3", "seeds": 1, "steps": 2,
 EVAL_KEY = re.compile(r"^eval/held_out/mean@(\d+)$")
 TOKEN_STD, SEQ_STD, SEQS = "loss/log_ratio_token_std/", "loss/log_ratio_seq_std/", "loss/sequences/"
 CLIPPED = "loss/clipped_fraction_token/"
+MIN_BUCKET_SEQUENCES = 10
+"""The length table and figure show a bucket of an arm only where its runs hold at least this many sequences
+on average (mini-batches 2..K): a spread over one or two responses is noise (results.json keeps them all)."""
 
 COLLAPSE_DROP = 0.2
 COLLAPSE_WINDOW = 3
@@ -313,7 +316,7 @@ def length_table(arms: dict[str, dict]) -> str:
     rows = [head, "|---|---|---|---|---|---|---|"]
     for a in arms.values():
         for b, c in sorted(a["by_length"].items(), key=lambda kv: int(re.match(r"len_(\d+)", kv[0]).group(1))):
-            if c["log_w_std"]["mean"] is None:
+            if c["log_w_std"]["mean"] is None or (c["sequences"]["mean"] or 0) < MIN_BUCKET_SEQUENCES:
                 continue
             w, s_ = c["log_w_std"]["mean"], c["log_s_std"]["mean"]
             rows.append(f"| {a['arm']} | {b[len('len_'):]} | {c['sequences']['mean']:.0f} | {_fmt(c['log_w_std'], '{:.4f}')} | "
@@ -332,7 +335,9 @@ def plot(arms: dict[str, dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(2, 4, figsize=(20, 7.5))
     names = list(arms)
-    all_buckets = sorted({b for a in arms.values() for b in a["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    shown = {name: {b: c for b, c in a["by_length"].items() if (c["sequences"]["mean"] or 0) >= MIN_BUCKET_SEQUENCES}
+             for name, a in arms.items()}
+    all_buckets = sorted({b for v in shown.values() for b in v}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
     for i, (name, a) in enumerate(arms.items()):
         color = f"C{i}"
         curve = a["reward_curve"]
@@ -352,8 +357,8 @@ def plot(arms: dict[str, dict], path: Path) -> None:
             if pts:
                 ax.plot(*zip(*pts), color=color, marker=".", label=name)
         labelled = False
-        for b in a["by_length"]:
-            j, c = all_buckets.index(b), a["by_length"][b]
+        for b in shown[name]:
+            j, c = all_buckets.index(b), shown[name][b]
             if c["log_w_std"]["mean"] is None:
                 continue
             xpos = j * (len(names) + 1) + i
@@ -362,11 +367,11 @@ def plot(arms: dict[str, dict], path: Path) -> None:
             axes[1, 1].bar(xpos, c["log_s_std"]["mean"], color="k", alpha=0.35, width=0.5,
                            label="log s_i (black)" if (i == 0 and not labelled) else None)
             labelled = True
-        pts = [(all_buckets.index(b), c["clipped_token"]["mean"]) for b, c in a["by_length"].items()
+        pts = [(all_buckets.index(b), c["clipped_token"]["mean"]) for b, c in shown[name].items()
                if c.get("clipped_token", {}).get("mean") is not None]
         if pts:
             axes[0, 3].plot(*zip(*sorted(pts)), color=color, marker="o", label=name)
-        ratio = [(all_buckets.index(b), c["log_w_std"]["mean"] / c["log_s_std"]["mean"]) for b, c in a["by_length"].items()
+        ratio = [(all_buckets.index(b), c["log_w_std"]["mean"] / c["log_s_std"]["mean"]) for b, c in shown[name].items()
                  if c["log_w_std"]["mean"] is not None and c["log_s_std"]["mean"]]
         if ratio:
             axes[1, 3].plot(*zip(*sorted(ratio)), color=color, marker="o", label=name)
@@ -404,7 +409,8 @@ def report(arms: dict[str, dict], meta: dict) -> str:
              "changed, std log w_t / log s_i: over mini-batches 2..K (after an update; mini-batch 1 is "
              "on-policy). Train-vs-rollout: mean |log pi_old - log pi_sampler| per token, at the recompute.", "",
              *ratios(arms), "", f"Collapse: {COLLAPSE_DEFINITION}.", "",
-             "## Ratio spreads by response length (mini-batches 2..K, weighted by the bucket's sequences)", "",
+             "## Ratio spreads by response length (mini-batches 2..K, weighted by the bucket's sequences; buckets "
+             f"with at least {MIN_BUCKET_SEQUENCES} sequences per run)", "",
              length_table(arms), "",
              "## Per arm, other numbers", "",
              "| arm | mean response length | zero-signal groups | rollout tokens/s | step s (median) | wall s per run |",

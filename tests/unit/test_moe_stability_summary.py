@@ -55,6 +55,16 @@ def test_one_run_reads_later_minibatches_and_weights_buckets(tmp_path):
     assert not run["collapsed"]
 
 
+def test_length_table_shows_buckets_with_enough_sequences_and_their_clipping(tmp_path):
+    write_run(tmp_path / "r", [0.0, 0.1, 0.2, 0.3])
+    run = bench.summarize_run(tmp_path / "r")
+    assert run["by_length"]["len_16-63"]["sequences"] == 4.0          # < MIN_BUCKET_SEQUENCES: not in the table
+    text = bench.length_table({"gspo": bench.summarize_arm("gspo", {1: run})})
+    rows = [line for line in text.splitlines() if line.startswith("| gspo |")]
+    assert len(rows) == 1 and rows[0].startswith("| gspo | 64-255 | 12 | 0.3000 ")
+    assert rows[0].endswith("| 6.0 | - |")                             # 0.3 / 0.05; no bucket-wise clipping logged
+
+
 @pytest.mark.parametrize("rewards, expected", [
     ([0.1, 0.5, 0.6, 0.6, 0.1, 0.0, 0.0, 0.0], True),     # peak 0.6, then down and staying down
     ([0.1, 0.5, 0.6, 0.6, 0.1, 0.0, 0.6, 0.7, 0.7], False),  # dips, then recovers
