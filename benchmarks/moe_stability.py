@@ -319,8 +319,9 @@ def length_table(arms: dict[str, dict]) -> str:
             if c["log_w_std"]["mean"] is None or (c["sequences"]["mean"] or 0) < MIN_BUCKET_SEQUENCES:
                 continue
             w, s_ = c["log_w_std"]["mean"], c["log_s_std"]["mean"]
-            rows.append(f"| {a['arm']} | {b[len('len_'):]} | {c['sequences']['mean']:.0f} | {_fmt(c['log_w_std'], '{:.4f}')} | "
-                        f"{_fmt(c['log_s_std'], '{:.4f}')} | {f'{w / s_:.1f}' if s_ else '-'} | "
+            rows.append(f"| {a['arm']} | {b[len('len_'):]} | {c['sequences']['mean']:.0f} | "
+                        f"{_fmt(c['log_w_std'], '{:.4f}')} | {_fmt(c['log_s_std'], '{:.4f}')} | "
+                        f"{f'{w / s_:.1f}' if s_ else '-'} | "
                         f"{_fmt(c.get('clipped_token', spread([])), '{:.2e}')} |")
     return "\n".join(rows)
 
@@ -465,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     seeds = list(range(1, args.seeds + 1))
-    out = Path(args.out or REPO / "runs" / ("paper_moe" if args.task == "long_addition" else "paper_moe_mixed")).resolve()
+    default_out = REPO / "runs" / ("paper_moe" if args.task == "long_addition" else "paper_moe_mixed")
+    out = Path(args.out or default_out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     hf = make_model(out, args.model_seed, args.task)
     if args.only_model:

@@ -254,15 +254,17 @@ def _tiny_model_parser(sub) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random Qwen3 of the CPU demo (HF format)")
     p.add_argument("out", help="output directory")
     p.add_argument("--warm-start", choices=("arithmetic", "long_addition", "long_addition_mixed", "tool_use"),
-                   help="supervised format warm-start for this task, with random answers: reward at chance (arithmetic: "
-                   "one random digit; long_addition, long_addition_mixed: the worked lines with random digits; tool_use: the multiplication task's calculator "
-                   "calls with random operands, or a random answer; megatron_gspo/dev/warm_start.py). tool_use makes "
-                   "the model with the tool demo's tokenizer (dev/tiny_model.py TinyQwen3Spec.tools)")
+                   help="supervised format warm-start for this task, with random answers: reward at chance "
+                   "(arithmetic: one random digit; long_addition, long_addition_mixed: the worked lines with random "
+                   "digits; tool_use: the multiplication task's calculator calls with random operands, or a random "
+                   "answer; megatron_gspo/dev/warm_start.py). tool_use makes the model with the tool demo's tokenizer "
+                   "(dev/tiny_model.py TinyQwen3Spec.tools)")
     p.add_argument("--cold-start", type=int, metavar="STEPS", help="long_addition and long_addition_mixed only: "
                    "instead of the format warm start, STEPS supervised steps on the correct worked responses of "
-                   "training problems (the test problems of make-data's default split are never shown), so the model starts above chance, as the "
-                   "GSPO paper's cold-started models do; on the tiny dense model 200 steps give ~12%% sampled held-out "
-                   "accuracy, 250 ~58%% (benchmarks/moe_stability.py uses 250 on its MoE: ~33%%)")
+                   "training problems (the test problems of make-data's default split are never shown), so the "
+                   "model starts above chance, as the GSPO paper's cold-started models do; on the tiny dense model "
+                   "200 steps give ~12%% sampled held-out accuracy, 250 ~58%% (benchmarks/moe_stability.py uses 250 "
+                   "on its MoE: ~33%%)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (4 experts, top-2) instead of the dense "
                    "Qwen3 (examples/tiny_moe_cpu.yaml): SGLang serves it on CPU in float32 with transformers' "
@@ -291,7 +293,7 @@ def run_tiny_model(args) -> int:
     elif args.warm_start in long_tasks:
         format_rate, accuracy = warm_start_long_addition(out, seed=args.seed, task=args.warm_start)
         print(f"format warm-start: {format_rate:.0%} of greedy responses state an answer, {accuracy:.0%} right "
-              f"(chance: {'1%' if args.warm_start == 'long_addition' else 'below 1%'})")
+              f"(chance: {'1%' if args.warm_start == 'long_addition' else '5% of 1-digit sums, under 1% of wider'})")
     elif args.warm_start == "tool_use":
         rates = warm_start_tool_use(out, seed=args.seed)
         print(f"format warm-start: with the tool in the prompt {rates['call_rate']:.0%} of sampled episodes call it, "

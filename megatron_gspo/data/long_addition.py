@@ -18,7 +18,7 @@ digits, so a model that knows only the format and writes random digits (the warm
 Task long_addition_mixed spreads the response length: sums of two operands of the same width, 1 to 4 digits
 (MIXED_PROBLEMS: the 100 one-digit pairs 0..9 and 300 seeded pairs of each wider width), worked the same way
 with one line per column ("hundreds", "thousands" follow "tens"; a carry out of the last column is the
-answer's extra digit). A correct response is 42, 74, 111 or 148 tokens for widths 1, 2, 3, 4, so the ratio
+answer's extra digit). A correct response is 42, 74, 110-111 or 148-149 tokens for widths 1-4, so the ratio
 spreads by response length (loss/log_ratio_*_std/len_A-B) have several buckets to compare. Its test split
 holds out `test_per_width` problems of each width.
 """
@@ -97,7 +97,7 @@ def mixed_worked_response(a: int, b: int) -> str:
 def random_column_response(rng: random.Random, width: int) -> str:
     """long_addition_mixed's format warm-start target over `width` columns: per column, uniform digits, a
     uniform written digit and a uniform carry (the next line's carry-in); the answer is the last carry (when
-    1) and the written digits. Right about 1 time in 10**width (2 * 10**width with a carry out)."""
+    1) and the written digits. Right 1 time in 2 * 10**width."""
     lines, written, carry_in = [], [], 0
     for name in COLUMNS[:width]:
         x, y, write, carry = rng.randrange(10), rng.randrange(10), rng.randrange(10), rng.randrange(2)

@@ -192,5 +192,6 @@ def test_random_column_responses_keep_the_format_and_answer_at_chance():
             carry = lines[-2].rsplit("carry ", 1)[1]
             assert lines[-1] == f"answer: {'1' if carry == '1' else ''}{written}"
     texts = [random_column_response(rng, 1) for _ in range(5000)]
-    right = sum(final_answer(sample(t, str(a + b))) for t, (a, b) in zip(texts, random.Random(2).choices(MIXED_PROBLEMS[:100], k=5000)))
+    problems = random.Random(2).choices(MIXED_PROBLEMS[:100], k=5000)           # the one-digit sums
+    right = sum(final_answer(sample(t, str(a + b))) for t, (a, b) in zip(texts, problems))
     assert 0.02 < right / 5000 < 0.08                       # width 1: 1 in 20 (written digit 1/10, carry 1/2)
