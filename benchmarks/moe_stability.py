@@ -77,6 +77,18 @@ MIN_BUCKET_SEQUENCES = 10
 """The length table and figure show a bucket of an arm only where its runs hold at least this many sequences
 on average (mini-batches 2..K): a spread over one or two responses is noise (results.json keeps them all)."""
 
+
+def bucket_order(bucket: str) -> int:
+    """Sort key of a length bucket's name ("len_64-95" -> 64): by length, not by name."""
+    return int(re.match(r"len_(\d+)", bucket).group(1))
+
+
+def shown_buckets(by_length: dict[str, dict]) -> dict[str, dict]:
+    """An arm's buckets the length table and figure show (MIN_BUCKET_SEQUENCES), in length order."""
+    return {b: by_length[b] for b in sorted(by_length, key=bucket_order)
+            if (by_length[b]["sequences"]["mean"] or 0) >= MIN_BUCKET_SEQUENCES}
+
+
 COLLAPSE_DROP = 0.2
 COLLAPSE_WINDOW = 3
 COLLAPSE_DEFINITION = (f"the {COLLAPSE_WINDOW}-step running mean of the training reward falls more than "
@@ -211,7 +223,7 @@ def summarize_run(run_dir: Path) -> dict:
             if m and value is not None:
                 evals.append((r["rollout_step"], value, int(m.group(1))))
     buckets = sorted({k[len(TOKEN_STD):] for r in later for k in r if k.startswith(TOKEN_STD)},
-                     key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+                     key=bucket_order)
     gap_token = [r.get("train/rollout_abs_delta_token") for s in steps for r in by_step[s][:1]]
     wall = run_dir / "wall_s"
     return {
@@ -267,7 +279,7 @@ def summarize_arm(arm: str, runs: dict[int, dict]) -> dict:
     out = {"arm": arm, "overrides": ARMS[arm], "seeds": sorted(runs),
            "collapses": sum(r["collapsed"] for r in runs.values()),
            **{key: spread(r[key] for r in runs.values()) for key in SCALARS}}
-    buckets = sorted({b for r in runs.values() for b in r["by_length"]}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    buckets = sorted({b for r in runs.values() for b in r["by_length"]}, key=bucket_order)
     out["by_length"] = {b: {k: spread(r["by_length"].get(b, {}).get(k) for r in runs.values())
                             for k in ("log_w_std", "log_s_std", "clipped_token", "sequences")} for b in buckets}
     length = min(len(r["rewards"]) for r in runs.values())
@@ -315,8 +327,8 @@ def length_table(arms: dict[str, dict]) -> str:
             "| clipped tokens (mini-batches 2..K) |")
     rows = [head, "|---|---|---|---|---|---|---|"]
     for a in arms.values():
-        for b, c in sorted(a["by_length"].items(), key=lambda kv: int(re.match(r"len_(\d+)", kv[0]).group(1))):
-            if c["log_w_std"]["mean"] is None or (c["sequences"]["mean"] or 0) < MIN_BUCKET_SEQUENCES:
+        for b, c in shown_buckets(a["by_length"]).items():
+            if c["log_w_std"]["mean"] is None:
                 continue
             w, s_ = c["log_w_std"]["mean"], c["log_s_std"]["mean"]
             rows.append(f"| {a['arm']} | {b[len('len_'):]} | {c['sequences']['mean']:.0f} | "
@@ -336,9 +348,8 @@ def plot(arms: dict[str, dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(2, 4, figsize=(20, 7.5))
     names = list(arms)
-    shown = {name: {b: c for b, c in a["by_length"].items() if (c["sequences"]["mean"] or 0) >= MIN_BUCKET_SEQUENCES}
-             for name, a in arms.items()}
-    all_buckets = sorted({b for v in shown.values() for b in v}, key=lambda b: int(re.match(r"len_(\d+)", b).group(1)))
+    shown = {name: shown_buckets(a["by_length"]) for name, a in arms.items()}
+    all_buckets = sorted({b for v in shown.values() for b in v}, key=bucket_order)
     for i, (name, a) in enumerate(arms.items()):
         color = f"C{i}"
         curve = a["reward_curve"]

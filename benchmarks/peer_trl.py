@@ -403,9 +403,10 @@ def main() -> None:
     out = a.out.resolve()
     work = out if a.task == "arithmetic" else out / a.task
     hf_dir = out / "hf" if a.task == "arithmetic" else work / "hf"
-    rows = {side: our_overrides(hf_dir, work / side, steps, dynamic_sampling=side == "ours_dynamic",
-                                extra=EXTRA.get(side, ()))
-            for side in SIDES if side != "trl"}
+    def overrides_for(side: str, run_dir: Path) -> list[str]:
+        return our_overrides(hf_dir, run_dir, steps, dynamic_sampling=side == "ours_dynamic", extra=EXTRA.get(side, ()))
+
+    rows = {side: overrides_for(side, work / side) for side in SIDES if side != "trl"}
     configs = {side: load_config(config_path, overrides) for side, overrides in rows.items()}  # bad overrides fail now
     config = configs["ours"]  # the like-for-like settings, TRL's too
     tiny_model(hf_dir, a.task)
@@ -422,9 +423,7 @@ def main() -> None:
                 results.append(run_trl(python, config, hf_dir, work / f"trl{suffix}", a.trl_threads, name=name))
             else:
                 run_dir = work / f"{side}{suffix}"  # its own run and checkpoint directory: a repeat must not resume
-                overrides = our_overrides(hf_dir, run_dir, steps, dynamic_sampling=side == "ours_dynamic",
-                                          extra=EXTRA.get(side, ()))
-                results.append(run_ours(name, config_path, overrides, run_dir))
+                results.append(run_ours(name, config_path, overrides_for(side, run_dir), run_dir))
             results[-1].target, results[-1].window = a.reward_target, a.window
             results[-1].notes.append(f"1-min load average at its end {os.getloadavg()[0]:.1f}")
     our_versions = versions(Path(sys.executable), ("torch", "megatron-core", "transformers"))

@@ -365,8 +365,8 @@ def _make_data_parser(sub) -> None:
 
 
 def run_make_data(args) -> int:
-    from megatron_gspo.data import write_arithmetic_data, write_long_addition_data, write_multiplication_data
-    from megatron_gspo.data.long_addition import write_long_addition_mixed_data
+    from megatron_gspo.data import (write_arithmetic_data, write_long_addition_data, write_long_addition_mixed_data,
+                                    write_multiplication_data)
 
     write = {"arithmetic": write_arithmetic_data, "long_addition": write_long_addition_data,
              "long_addition_mixed": write_long_addition_mixed_data,
